@@ -1,0 +1,18 @@
+"""DeepSpeed ZeRO for Lightning's Trainer on Intel Gaudi HPUs, CUDA GPUs and CPUs.
+
+Importing the package registers the ``hpu_deepspeed*`` strategy names and the ``"hpu"`` accelerator with
+Lightning, so ``Trainer(strategy="hpu_deepspeed_stage_3", accelerator="hpu")`` resolves. Registration
+overrides earlier entries of the same name, so importing (or reloading) twice is harmless.
+"""
+
+from lightning.pytorch.accelerators import AcceleratorRegistry
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_gaudi_ds.accelerator import HPUAccelerator
+from lightning_gaudi_ds.strategy import HPUDeepSpeedStrategy
+
+__all__ = ["HPUAccelerator", "HPUDeepSpeedStrategy", "__version__"]
+__version__ = "0.1.0"
+
+HPUDeepSpeedStrategy.register_strategies(StrategyRegistry)
+HPUAccelerator.register_accelerators(AcceleratorRegistry)

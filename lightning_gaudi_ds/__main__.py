@@ -1,0 +1,5 @@
+import sys
+
+from lightning_gaudi_ds.cli import main
+
+sys.exit(main())

@@ -1,0 +1,82 @@
+"""``HPUAccelerator``: Intel Gaudi devices for Lightning, registered as ``"hpu"``."""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import torch
+from lightning.fabric.accelerators.registry import _AcceleratorRegistry
+from lightning.fabric.utilities.types import _DEVICE
+from lightning.pytorch.accelerators import Accelerator
+from typing_extensions import override
+
+from lightning_gaudi_ds import hpu
+from lightning_gaudi_ds.devices import hpu_available
+
+
+class HPUAccelerator(Accelerator):
+    """Accelerator for Intel Gaudi HPUs. Creating it without the Gaudi stack raises a clear error."""
+
+    def __init__(self) -> None:
+        hpu.require_stack()
+        super().__init__()
+
+    @override
+    def setup_device(self, device: torch.device) -> None:
+        if device.type != "hpu":
+            raise ValueError(f"HPUAccelerator got device {device}; expected an 'hpu' device.")
+
+    @override
+    def get_device_stats(self, device: _DEVICE) -> dict[str, Any]:
+        import habana_frameworks.torch.hpu as hthpu
+
+        return dict(hthpu.memory_stats(device))
+
+    @override
+    def teardown(self) -> None:
+        pass
+
+    @staticmethod
+    @override
+    def parse_devices(devices: Union[int, str, list[int]]) -> int:
+        if isinstance(devices, (list, tuple)):
+            return len(devices)
+        if devices == "auto" or devices == -1 or devices == "-1":
+            return hpu.device_count()
+        try:
+            count = int(devices)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"`Trainer(devices={devices!r})` is not valid for HPUs; pass a positive int, a list, or 'auto'."
+            ) from None
+        if count < 1:
+            raise ValueError(f"`Trainer(devices={devices!r})`: at least one HPU is needed; pass devices >= 1.")
+        return count
+
+    @staticmethod
+    @override
+    def get_parallel_devices(devices: Union[int, str, list[int]]) -> list[torch.device]:
+        # Each process opens one Gaudi card; inside the process it is simply "hpu".
+        return [torch.device("hpu")] * HPUAccelerator.parse_devices(devices)
+
+    @staticmethod
+    @override
+    def auto_device_count() -> int:
+        return hpu.device_count()
+
+    @staticmethod
+    @override
+    def is_available() -> bool:
+        return hpu_available()
+
+    @staticmethod
+    @override
+    def name() -> str:
+        return "hpu"
+
+    @classmethod
+    @override
+    def register_accelerators(cls, accelerator_registry: _AcceleratorRegistry) -> None:
+        accelerator_registry.register(
+            cls.name(), cls, description="Intel Gaudi HPU (lightning_gaudi_ds)", override=True
+        )

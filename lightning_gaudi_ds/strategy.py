@@ -1,0 +1,303 @@
+"""``HPUDeepSpeedStrategy``: Lightning's DeepSpeed strategy made device-neutral (HPU, CUDA, CPU).
+
+Only the device-dependent hooks are overridden; everything else (precision plugin, checkpointing, ZeRO-3
+``zero.Init``, optimizer wiring) is Lightning's own ``DeepSpeedStrategy``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+
+import torch
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.types import LRSchedulerConfig
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_gaudi_ds import hpu
+from lightning_gaudi_ds.devices import DeviceSpec, device_spec, validate_precision
+
+if TYPE_CHECKING:
+    import deepspeed
+
+log = logging.getLogger(__name__)
+
+# (name, description, kwargs): the registered strategy names, as lightning-habana documented them.
+_REGISTERED: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("hpu_deepspeed", "DeepSpeed (ZeRO stage 2) on HPU, CUDA or CPU", {}),
+    ("hpu_deepspeed_stage_1", "DeepSpeed ZeRO stage 1", {"stage": 1}),
+    ("hpu_deepspeed_stage_2", "DeepSpeed ZeRO stage 2", {"stage": 2}),
+    ("hpu_deepspeed_stage_2_offload", "DeepSpeed ZeRO stage 2, optimizer offloaded to CPU",
+     {"stage": 2, "offload_optimizer": True}),
+    ("hpu_deepspeed_stage_3", "DeepSpeed ZeRO stage 3", {"stage": 3}),
+    ("hpu_deepspeed_stage_3_offload", "DeepSpeed ZeRO stage 3, optimizer and parameters offloaded to CPU",
+     {"stage": 3, "offload_optimizer": True, "offload_parameters": True}),
+    ("hpu_deepspeed_stage_3_offload_nvme", "DeepSpeed ZeRO stage 3, optimizer and parameters offloaded to NVMe",
+     {"stage": 3, "offload_optimizer": True, "offload_parameters": True, "remote_device": "nvme",
+      "offload_params_device": "nvme", "offload_optimizer_device": "nvme"}),
+)
+
+
+class HPUDeepSpeedStrategy(DeepSpeedStrategy):
+    """DeepSpeed ZeRO stages 0-3 (with CPU/NVMe offload) for Lightning on Intel Gaudi, CUDA GPUs and CPUs.
+
+    Args:
+        stage: ZeRO stage: 0 (plain data parallel through DeepSpeed), 1 (optimizer states sharded),
+            2 (+ gradients), 3 (+ parameters).
+        accelerator: an accelerator instance; by default Lightning's choice, or HPU when a Gaudi card is
+            visible and the Trainer is left at ``accelerator="auto"``.
+        config: a DeepSpeed config (JSON path or dict); ``PL_DEEPSPEED_CONFIG_PATH`` is read when unset.
+        offload_optimizer: ZeRO-Offload of optimizer states (and the step) to CPU.
+        offload_parameters: offload parameters too (stage 3).
+        process_group_backend: overrides the device's backend (gloo on CPU, nccl on CUDA, hccl on HPU).
+        **kwargs: every other argument of :class:`lightning.pytorch.strategies.DeepSpeedStrategy`.
+    """
+
+    strategy_name = "hpu_deepspeed"
+
+    def __init__(
+        self,
+        stage: int = 2,
+        *,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,  # noqa: F821
+        config: Optional[Union[_PATH, dict[str, Any]]] = None,
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        remote_device: Optional[str] = None,
+        nvme_path: str = "/local_nvme",
+        process_group_backend: Optional[str] = None,
+        logging_level: int = logging.WARN,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+            raise ValueError(
+                f"`HPUDeepSpeedStrategy(stage={stage!r})` is not a ZeRO stage. Allowed: 0, 1, 2, 3"
+                " (0: no sharding, 1: optimizer states, 2: + gradients, 3: + parameters)."
+            )
+        if offload_parameters and stage != 3 and config is None:
+            raise ValueError(
+                f"`HPUDeepSpeedStrategy(stage={stage}, offload_parameters=True)`: parameter offload needs ZeRO"
+                " stage 3. Use stage=3, or offload_optimizer=True alone for stages 1-2."
+            )
+        if accelerator is None and hpu.habana_frameworks_installed() and hpu.hpu_available():
+            from lightning_gaudi_ds.accelerator import HPUAccelerator
+
+            accelerator = HPUAccelerator()
+        super().__init__(
+            accelerator=accelerator,
+            stage=stage,
+            config=config,
+            offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters,
+            remote_device=remote_device,
+            nvme_path=nvme_path,
+            process_group_backend=process_group_backend,
+            logging_level=logging_level,
+            **kwargs,
+        )
+        self._mark_step: Optional[Callable[[], None]] = None
+
+    # ----------------------------------------------------------------------------------------- set-up
+    @property
+    def device_spec(self) -> DeviceSpec:
+        """The device-table row of this strategy's root device."""
+        return device_spec(self.root_device)
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Called by the Trainer's constructor once accelerator and precision are known: the earliest point
+        # at which a device/precision mismatch can be reported, before any process is started.
+        validate_precision(self.precision_plugin.precision, self.parallel_devices[0])
+        super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        # Lightning's DeepSpeedStrategy refuses every accelerator but CUDA here; skip that gate only.
+        spec = self.device_spec
+        if spec.device_type == "hpu":
+            hpu.prepare_environment()
+        self._select_deepspeed_accelerator(spec)
+        DDPStrategy.setup_environment(self)
+
+    @override
+    def setup_distributed(self) -> None:
+        # Lightning's version validates CUDA device indices, which CPU/HPU devices do not have.
+        reset_seed()
+        self.set_world_ranks()
+        if self.device_spec.device_type == "hpu":
+            hpu.init_distributed(self.world_size, self.global_rank, self.local_rank)
+        self._init_deepspeed_distributed()
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        return self._process_group_backend or self.device_spec.backend
+
+    def _select_deepspeed_accelerator(self, spec: DeviceSpec) -> None:
+        """Make DeepSpeed's global accelerator match the Trainer's device (DS_ACCELERATOR may differ)."""
+        import deepspeed.accelerator as ds_acc
+
+        current = ds_acc.get_accelerator()
+        if current._name == spec.deepspeed_accelerator:
+            return
+        deterministic_before = torch.are_deterministic_algorithms_enabled()
+        if spec.deepspeed_accelerator == "cpu":
+            from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator as Cls
+        elif spec.deepspeed_accelerator == "cuda":
+            from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator as Cls
+        else:
+            from deepspeed.accelerator.hpu_accelerator import HPU_Accelerator as Cls
+        rank_zero_info(f"DeepSpeed accelerator: {spec.deepspeed_accelerator} (was {current._name})")
+        ds_acc.set_accelerator(Cls())
+        if spec.device_type == "hpu":
+            hpu.warn_if_deterministic_forced(deterministic_before)
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:  # noqa: F821
+        if trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            raise ValueError(
+                "`Trainer(gradient_clip_algorithm='value')` is not supported by DeepSpeed, which clips by norm only."
+                f" Use `Trainer(gradient_clip_val={trainer.gradient_clip_val}, gradient_clip_algorithm='norm')`."
+            )
+        if self.device_spec.device_type == "hpu":
+            self._mark_step = hpu.mark_step_fn()
+            if self.lightning_module is not None:
+                self.lightning_module.to(self.root_device)  # HPU: the engine expects the model on the card
+        super().setup(trainer)
+
+    # ------------------------------------------------------------------------------------- engine
+    def _deepspeed_args(self) -> argparse.Namespace:
+        # Lightning passes root_device.index, which is None on CPU and HPU; DeepSpeed needs the local rank.
+        index = self.root_device.index
+        return argparse.Namespace(device_rank=self.local_rank if index is None else index)
+
+    @override
+    def _setup_model_and_optimizer(
+        self,
+        model: Module,
+        optimizer: Optional[Optimizer],
+        lr_scheduler: Optional[Any] = None,
+    ) -> tuple["deepspeed.DeepSpeedEngine", Optimizer]:
+        import deepspeed
+
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=self._deepspeed_args(),
+            config=self.config,
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, ds_optimizer
+
+    @override
+    def _initialize_deepspeed_inference(self, model: Module) -> None:
+        import deepspeed
+
+        assert isinstance(self.config, dict)
+        inference_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
+        for key in ("fp16", "bf16"):
+            if key in self.config:
+                inference_config[key] = self.config[key]
+        if self.zero_stage_3:
+            inference_config["zero_allow_untested_optimizer"] = self.config.get("zero_allow_untested_optimizer", True)
+            inference_config["zero_optimization"] = self.config["zero_optimization"]
+        remove_module_hooks(model)
+        self.model, _, _, _ = deepspeed.initialize(
+            args=self._deepspeed_args(),
+            config=inference_config,
+            model=model,
+            optimizer=None,
+            lr_scheduler=None,
+            model_parameters=[],
+            dist_init_required=False,
+        )
+
+    @override
+    def _init_optimizers(self) -> tuple[Optimizer, Optional[LRSchedulerConfig]]:
+        from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+
+        assert self.lightning_module is not None
+        optimizers, schedulers = _init_optimizers_and_lr_schedulers(self.lightning_module)
+        if len(optimizers) != 1 or len(schedulers) > 1:
+            names = [type(o).__name__ for o in optimizers]
+            raise ValueError(
+                f"`configure_optimizers` returned {len(optimizers)} optimizers {names} and {len(schedulers)}"
+                " schedulers; DeepSpeed takes exactly one optimizer and at most one scheduler. Return a single"
+                " optimizer (use parameter groups for different settings)."
+            )
+        optimizer = optimizers[0]
+        if hpu.is_fused_adam(optimizer):
+            raise ValueError(
+                f"`configure_optimizers` returned Habana's fused optimizer {type(optimizer).__qualname__}, which"
+                " does not work with DeepSpeed. Return a regular optimizer such as torch.optim.AdamW; DeepSpeed"
+                " runs its own optimizer step."
+            )
+        return optimizer, schedulers[0] if schedulers else None
+
+    # ------------------------------------------------------------------- HPU lazy-mode graph breaks
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        self._graph_break()
+        return loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._graph_break()
+        return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().validation_step, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().test_step, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().predict_step, *args, **kwargs)
+
+    def _evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self._graph_break()
+        output = step(*args, **kwargs)
+        self._graph_break()
+        return output
+
+    def _graph_break(self) -> None:
+        if self._mark_step is not None:
+            self._mark_step()
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        # HCCL reduces with sum/min/max only: do "mean" as sum / world size there.
+        if self.device_spec.backend == "hccl" and isinstance(tensor, Tensor) and _is_mean(reduce_op):
+            return super().reduce(tensor, group, "sum") / self.world_size
+        return super().reduce(tensor, group, reduce_op)
+
+    # ---------------------------------------------------------------------------------- registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name, description, kwargs in _REGISTERED:
+            strategy_registry.register(name, cls, description=description, override=True, **kwargs)
+
+
+def _is_mean(reduce_op: Any) -> bool:
+    if isinstance(reduce_op, str):
+        return reduce_op.lower() in ("mean", "avg")
+    from torch.distributed import ReduceOp
+
+    return reduce_op == ReduceOp.AVG
