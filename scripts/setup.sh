@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Idempotent set-up on a fresh machine: a virtual environment in .venv with the CPU build of torch,
+# the package with its test extra, and what the tests need from Debian. Sourced by train.sh and test.sh.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+# Pin torch here only (a CPU build); the package's own range stays loose for Habana's and CUDA torch.
+python -m pip install -q "torch==2.13.0" 2>&1 | grep -v '^WARNING: Location' || true
+python -m pip install -q -e ".[test]" 2>&1 | grep -v '^WARNING: Location' || true
