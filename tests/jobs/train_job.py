@@ -75,9 +75,6 @@ class EngineProbe(L.Callback):
             ds_opt = engine.optimizer
             inner = getattr(ds_opt, "optimizer", ds_opt)
             probe["optimizer_numel"] = sum(p.numel() for g in inner.param_groups for p in g["params"])
-            probe["optimizer_state_numel"] = sum(
-                t.numel() for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0
-            )
             partition_grads = getattr(ds_opt, "averaged_gradients", None) or {}
             probe["partition_grad_numel"] = sum(
                 t.numel() for grads in partition_grads.values() for t in (grads or []) if torch.is_tensor(t)
@@ -88,6 +85,16 @@ class EngineProbe(L.Callback):
                 probe["stage3_large_local_numel"] = sum(p.ds_tensor.numel() for p in large)
             probe["zero_stage"] = int(engine.zero_optimization_stage())
         pl_module.probe = probe
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        engine = getattr(trainer.strategy, "deepspeed_engine", None)
+        if engine is None or "optimizer_state_numel_after_step" in pl_module.probe:
+            return
+        ds_opt = engine.optimizer
+        inner = getattr(ds_opt, "optimizer", ds_opt)
+        pl_module.probe["optimizer_state_numel_after_step"] = sum(
+            t.numel() for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0
+        )
 
 
 def make_data(n: int = 256, seed: int = 1234) -> TensorDataset:
