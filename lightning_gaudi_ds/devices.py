@@ -85,7 +85,7 @@ def habana_frameworks_installed() -> bool:
     """Whether the Gaudi software stack can be imported (without importing it)."""
     try:
         return importlib.util.find_spec("habana_frameworks.torch") is not None
-    except ModuleNotFoundError:
+    except (ModuleNotFoundError, ValueError):  # ValueError: a module in sys.modules without __spec__
         return False
 
 

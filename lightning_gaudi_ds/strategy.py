@@ -17,7 +17,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import Tensor
 from torch.nn import Module
@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gaudi_ds import hpu
-from lightning_gaudi_ds.devices import DeviceSpec, device_spec, validate_precision
+from lightning_gaudi_ds.devices import DeviceSpec, device_spec, hpu_available, validate_precision
 
 if TYPE_CHECKING:
     import deepspeed
@@ -54,8 +54,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     Args:
         stage: ZeRO stage: 0 (plain data parallel through DeepSpeed), 1 (optimizer states sharded),
             2 (+ gradients), 3 (+ parameters).
-        accelerator: an accelerator instance; by default Lightning's choice, or HPU when a Gaudi card is
-            visible and the Trainer is left at ``accelerator="auto"``.
+        accelerator: an accelerator instance; by default the Trainer's ``accelerator`` flag decides
+            (``"hpu"``, ``"cuda"``, ``"cpu"`` or ``"auto"``, which does not look for HPUs).
         config: a DeepSpeed config (JSON path or dict); ``PL_DEEPSPEED_CONFIG_PATH`` is read when unset.
         offload_optimizer: ZeRO-Offload of optimizer states (and the step) to CPU.
         offload_parameters: offload parameters too (stage 3).
@@ -89,10 +89,6 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
                 f"`HPUDeepSpeedStrategy(stage={stage}, offload_parameters=True)`: parameter offload needs ZeRO"
                 " stage 3. Use stage=3, or offload_optimizer=True alone for stages 1-2."
             )
-        if accelerator is None and hpu.habana_frameworks_installed() and hpu.hpu_available():
-            from lightning_gaudi_ds.accelerator import HPUAccelerator
-
-            accelerator = HPUAccelerator()
         super().__init__(
             accelerator=accelerator,
             stage=stage,
@@ -118,15 +114,24 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         # Called by the Trainer's constructor once accelerator and precision are known: the earliest point
         # at which a device/precision mismatch can be reported, before any process is started.
         validate_precision(self.precision_plugin.precision, self.parallel_devices[0])
+        if self.parallel_devices[0].type == "cpu" and hpu_available():
+            rank_zero_warn(
+                "A Gaudi device is visible but the Trainer selected CPU (Lightning's accelerator='auto' does not"
+                " look for HPUs). Pass `Trainer(accelerator='hpu')` to train on Gaudi."
+            )
         super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
+        self._validate_trainer_flags()
         # Lightning's DeepSpeedStrategy refuses every accelerator but CUDA here; skip that gate only.
         spec = self.device_spec
         if spec.device_type == "hpu":
             hpu.prepare_environment()
         self._select_deepspeed_accelerator(spec)
+        if spec.device_type == "hpu":  # HCCL is prepared before the device is touched
+            self.set_world_ranks()
+            hpu.init_distributed(self.world_size, self.global_rank, self.local_rank)
         DDPStrategy.setup_environment(self)
 
     @override
@@ -134,8 +139,6 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         # Lightning's version validates CUDA device indices, which CPU/HPU devices do not have.
         reset_seed()
         self.set_world_ranks()
-        if self.device_spec.device_type == "hpu":
-            hpu.init_distributed(self.world_size, self.global_rank, self.local_rank)
         self._init_deepspeed_distributed()
 
     @override
@@ -161,13 +164,17 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         if spec.device_type == "hpu":
             hpu.warn_if_deterministic_forced(deterministic_before)
 
-    @override
-    def setup(self, trainer: "pl.Trainer") -> None:  # noqa: F821
-        if trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+    def _validate_trainer_flags(self) -> None:
+        """Trainer settings DeepSpeed cannot honour, reported before the process group starts."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             raise ValueError(
                 "`Trainer(gradient_clip_algorithm='value')` is not supported by DeepSpeed, which clips by norm only."
                 f" Use `Trainer(gradient_clip_val={trainer.gradient_clip_val}, gradient_clip_algorithm='norm')`."
             )
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:  # noqa: F821
         if self.device_spec.device_type == "hpu":
             self._mark_step = hpu.mark_step_fn()
             if self.lightning_module is not None:
