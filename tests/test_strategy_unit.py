@@ -1,0 +1,134 @@
+"""Tier 1-2: registry, device table, and every bad-input error of the core strategy (no processes)."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_gaudi_ds
+from lightning_gaudi_ds import HPUAccelerator, HPUDeepSpeedStrategy
+from lightning_gaudi_ds.devices import DEVICES, device_spec, validate_precision
+
+NAMES = {
+    "hpu_deepspeed": dict(stage=2, offload_optimizer=False, offload_param=False),
+    "hpu_deepspeed_stage_1": dict(stage=1, offload_optimizer=False, offload_param=False),
+    "hpu_deepspeed_stage_2": dict(stage=2, offload_optimizer=False, offload_param=False),
+    "hpu_deepspeed_stage_2_offload": dict(stage=2, offload_optimizer=True, offload_param=False),
+    "hpu_deepspeed_stage_3": dict(stage=3, offload_optimizer=False, offload_param=False),
+    "hpu_deepspeed_stage_3_offload": dict(stage=3, offload_optimizer=True, offload_param=True),
+    "hpu_deepspeed_stage_3_offload_nvme": dict(stage=3, offload_optimizer=True, offload_param=True),
+}
+
+
+def test_import_needs_no_gaudi_stack_and_exports_public_api():
+    code = (
+        "import sys, lightning_gaudi_ds as m; "
+        "assert m.HPUDeepSpeedStrategy and m.HPUAccelerator; "
+        "assert not [k for k in sys.modules if k.startswith('habana_frameworks')], 'habana imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name", sorted(NAMES))
+def test_registered_names_resolve_as_strings(name):
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=name, logger=False)
+    strategy = trainer.strategy
+    assert type(strategy) is HPUDeepSpeedStrategy
+    zero = strategy.config["zero_optimization"]
+    want = NAMES[name]
+    assert zero["stage"] == want["stage"]
+    assert ("offload_optimizer" in zero) == want["offload_optimizer"]
+    assert ("offload_param" in zero) == want["offload_param"]
+    if name.endswith("nvme"):
+        assert zero["offload_param"]["device"] == "nvme" and strategy.remote_device == "nvme"
+
+
+def test_importing_twice_is_harmless():
+    importlib.reload(lightning_gaudi_ds)
+    importlib.reload(lightning_gaudi_ds)
+    assert StrategyRegistry["hpu_deepspeed_stage_3"]["strategy"].__name__ == "HPUDeepSpeedStrategy"
+
+
+def test_device_table():
+    assert {k: v.backend for k, v in DEVICES.items()} == {"cpu": "gloo", "cuda": "nccl", "hpu": "hccl"}
+    assert device_spec(torch.device("cuda", 3)).backend == "nccl"
+    with pytest.raises(ValueError, match=r"Device type 'mps' is not supported.*cpu, cuda, hpu"):
+        device_spec("mps")
+
+
+@pytest.mark.parametrize(("accelerator", "backend"), [("cpu", "gloo"), ("auto", "gloo")])
+def test_backend_follows_device(accelerator, backend):
+    trainer = L.Trainer(accelerator=accelerator, devices=2, strategy=HPUDeepSpeedStrategy(), logger=False)
+    assert trainer.strategy._get_process_group_backend() == backend
+    assert trainer.strategy._deepspeed_args().device_rank == 0  # CPU devices have no index: local rank
+
+
+def test_explicit_backend_wins_on_cpu():
+    strategy = HPUDeepSpeedStrategy(process_group_backend="mpi")
+    L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    assert strategy._get_process_group_backend() == "mpi"
+
+
+@pytest.mark.parametrize("stage", [-1, 4, "2", True, 2.5])
+def test_bad_stage(stage):
+    with pytest.raises(ValueError, match=r"stage=.*is not a ZeRO stage\. Allowed: 0, 1, 2, 3"):
+        HPUDeepSpeedStrategy(stage=stage)
+
+
+def test_parameter_offload_needs_stage_3():
+    with pytest.raises(ValueError, match=r"parameter offload needs ZeRO stage 3\. Use stage=3"):
+        HPUDeepSpeedStrategy(stage=2, offload_parameters=True)
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "16-true"])
+def test_fp16_on_cpu_is_refused_at_trainer_construction(precision):
+    with pytest.raises(ValueError, match=rf"precision='{precision}'.*not supported.*on 'cpu'.*bf16-mixed"):
+        L.Trainer(accelerator="cpu", devices=2, precision=precision, strategy=HPUDeepSpeedStrategy(), logger=False)
+
+
+def test_precision_table():
+    for precision in ("32-true", "bf16-mixed", "bf16-true"):
+        validate_precision(precision, "cpu")
+    validate_precision("16-mixed", "cuda")
+    validate_precision("16-mixed", "hpu")
+
+
+def test_hpu_accelerator_without_gaudi_says_what_is_missing():
+    with pytest.raises(RuntimeError, match=r"habana_frameworks\.torch` is not installed.*Habana's PyTorch container"):
+        L.Trainer(accelerator="hpu", devices=1, strategy=HPUDeepSpeedStrategy(), logger=False)
+    assert HPUAccelerator.is_available() is False
+
+
+def test_gradient_clip_by_value_is_refused_before_the_process_group(monkeypatch):
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=HPUDeepSpeedStrategy(), gradient_clip_val=0.5,
+        gradient_clip_algorithm="value", logger=False,
+    )
+    model = BoringModel()
+    model.trainer = trainer
+    trainer.strategy._lightning_module = model
+    monkeypatch.setattr(trainer.strategy, "setup_distributed", lambda: pytest.fail("process group started"))
+    with pytest.raises(ValueError, match=r"gradient_clip_algorithm='value'.*gradient_clip_val=0.5, gradient_clip_algorithm='norm'"):
+        trainer.strategy.setup_environment()
+
+
+def test_more_than_one_optimizer_is_refused():
+    class TwoOptimizers(BoringModel):
+        automatic_optimization = False  # Lightning itself refuses two optimizers with automatic optimization
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.parameters(), lr=0.1), torch.optim.Adam(self.parameters())]
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=HPUDeepSpeedStrategy(), logger=False)
+    model = TwoOptimizers()
+    model.trainer = trainer
+    trainer.strategy._lightning_module = model
+    with pytest.raises(ValueError, match=r"returned 2 optimizers \['SGD', 'Adam'\].*exactly one optimizer"):
+        trainer.strategy._init_optimizers()
