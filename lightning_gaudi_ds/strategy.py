@@ -139,6 +139,11 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         # Lightning's version validates CUDA device indices, which CPU/HPU devices do not have.
         reset_seed()
         self.set_world_ranks()
+        # Issue 8 (lightning_gaudi_ds/ops.py): on every rank, before DeepSpeed JIT-builds anything, clear stale
+        # build locks and decide whether the CPU shm comm op is loaded (else plain torch.distributed collectives).
+        from lightning_gaudi_ds.ops import prepare_startup
+
+        prepare_startup(self.device_spec.deepspeed_accelerator, self.config, self.world_size)
         self._init_deepspeed_distributed()
 
     @override
