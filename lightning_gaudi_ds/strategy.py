@@ -299,6 +299,19 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             return super().reduce(tensor, group, "sum") / self.world_size
         return super().reduce(tensor, group, reduce_op)
 
+    # ------------------------------------------------ external launchers (issue 4: torchrun, deepspeed, mpirun)
+    @override
+    def set_world_ranks(self) -> None:
+        # The Trainer's constructor calls this right after it picked the cluster environment and before
+        # `_configure_launcher`: adopt DeepSpeed's launcher (Lightning takes it for a single-node launch) and
+        # refuse a launcher whose process count disagrees with devices x num_nodes, before anything starts.
+        from lightning_gaudi_ds.environments import check_launcher_world_size, resolve_environment
+
+        self.cluster_environment = resolve_environment(self.cluster_environment)
+        if self.parallel_devices is not None:
+            check_launcher_world_size(self.cluster_environment, self.num_processes, self.num_nodes)
+        super().set_world_ranks()
+
     # ---------------------------------------------------------------------------------- registry
     @classmethod
     @override

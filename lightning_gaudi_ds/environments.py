@@ -1,0 +1,185 @@
+"""Processes started by an external launcher: which one, and does its world size fit the Trainer?
+
+Lightning already detects torchrun (``TorchElasticEnvironment``), mpirun with mpi4py (``MPIEnvironment``)
+and its own launcher (``LightningEnvironment``). DeepSpeed's launcher sets ``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE`` and ``CROSS_RANK`` (its node rank) but neither ``TORCHELASTIC_RUN_ID`` nor ``NODE_RANK``, so
+Lightning falls back to ``LightningEnvironment``, which recomputes the global rank with node rank 0: right on
+one node, duplicate ranks on several. :class:`DeepSpeedLauncherEnvironment` reads what that launcher set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+from lightning.fabric.plugins.environments import (
+    ClusterEnvironment,
+    LightningEnvironment,
+    MPIEnvironment,
+    TorchElasticEnvironment,
+)
+from typing_extensions import override
+
+log = logging.getLogger(__name__)
+
+# Set by deepspeed.launcher.launch for every rank it starts (CROSS_RANK is its node rank).
+_DEEPSPEED_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "CROSS_RANK")
+# World size as MPI implementations announce it to the processes mpirun starts.
+_MPI_SIZE_KEYS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
+# Processes per node, as each launcher announces it.
+_LOCAL_SIZE_KEYS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+
+
+class DeepSpeedLauncherEnvironment(ClusterEnvironment):
+    """Ranks started by DeepSpeed's launcher (``deepspeed`` / ``deepspeed.launcher.launch``), on any node."""
+
+    @property
+    @override
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    @override
+    def main_address(self) -> str:
+        return os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+    @property
+    @override
+    def main_port(self) -> int:
+        return int(os.environ.get("MASTER_PORT", 29500))
+
+    @staticmethod
+    @override
+    def detect() -> bool:
+        return all(key in os.environ for key in _DEEPSPEED_KEYS) and "TORCHELASTIC_RUN_ID" not in os.environ
+
+    @override
+    def world_size(self) -> int:
+        return int(os.environ["WORLD_SIZE"])
+
+    @override
+    def set_world_size(self, size: int) -> None:
+        log.debug("DeepSpeedLauncherEnvironment: the launcher sets the world size; ignored %s", size)
+
+    @override
+    def global_rank(self) -> int:
+        return int(os.environ["RANK"])
+
+    @override
+    def set_global_rank(self, rank: int) -> None:
+        log.debug("DeepSpeedLauncherEnvironment: the launcher sets the global rank; ignored %s", rank)
+
+    @override
+    def local_rank(self) -> int:
+        return int(os.environ["LOCAL_RANK"])
+
+    @override
+    def node_rank(self) -> int:
+        return int(os.environ.get("CROSS_RANK", 0))
+
+    @override
+    def validate_settings(self, num_devices: int, num_nodes: int) -> None:
+        check_launcher_world_size(self, num_devices, num_nodes)
+
+
+def launcher_name(env: ClusterEnvironment) -> str:
+    """How a user would call the launcher behind ``env``, for messages."""
+    if isinstance(env, TorchElasticEnvironment):
+        return "torchrun"
+    if isinstance(env, DeepSpeedLauncherEnvironment):
+        return "DeepSpeed's launcher"
+    if isinstance(env, MPIEnvironment):
+        return "mpirun"
+    if isinstance(env, LightningEnvironment):
+        return "the launcher that set LOCAL_RANK"
+    return type(env).__name__
+
+
+def _mpi_world_size_from_env() -> Optional[int]:
+    for key in _MPI_SIZE_KEYS:
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return None
+
+
+def resolve_environment(env: Optional[ClusterEnvironment]) -> Optional[ClusterEnvironment]:
+    """The environment to use instead of Lightning's fallback, or ``env`` unchanged.
+
+    Replaces a plain ``LightningEnvironment`` (never one the user passed in a subclass) when DeepSpeed's
+    launcher started this process, and refuses to go on under mpirun when Lightning could not see MPI:
+    each rank would otherwise start ``devices`` processes of its own.
+    """
+    if type(env) is not LightningEnvironment:
+        return env
+    if DeepSpeedLauncherEnvironment.detect():
+        return DeepSpeedLauncherEnvironment()
+    mpi_size = _mpi_world_size_from_env()
+    if mpi_size is not None and mpi_size > 1 and "LOCAL_RANK" not in os.environ:
+        try:
+            from mpi4py import MPI  # noqa: F401
+
+            reason = "mpi4py imports, but MPI reported a world size of 1 (is it built against another MPI?)"
+        except ImportError as err:
+            reason = f"mpi4py cannot be imported ({err})"
+        raise RuntimeError(
+            f"This process was started by mpirun (world size {mpi_size} from the environment), but Lightning"
+            f" did not detect MPI: {reason}. Install mpi4py for the MPI that mpirun belongs to"
+            " (`pip install mpi4py`, or `bash scripts/setup.sh`); without it every rank would start its own"
+            " processes."
+        )
+    return env
+
+
+def launcher_world_size(env: ClusterEnvironment) -> Optional[int]:
+    """The number of processes the external launcher started, or None when unknown or not launched externally."""
+    if not env.creates_processes_externally:
+        return None
+    if isinstance(env, (TorchElasticEnvironment, DeepSpeedLauncherEnvironment, MPIEnvironment)):
+        return env.world_size()
+    if isinstance(env, LightningEnvironment):
+        value = os.environ.get("WORLD_SIZE", "")
+        return int(value) if value.isdigit() else None
+    return None  # SLURM, LSF, Kubeflow, ...: Lightning validates those itself
+
+
+def launcher_local_world_size() -> Optional[tuple[str, int]]:
+    """(variable, value) of the launcher's processes-per-node announcement, if any."""
+    for key in _LOCAL_SIZE_KEYS:
+        if os.environ.get(key, "").isdigit():
+            return key, int(os.environ[key])
+    return None
+
+
+def check_launcher_world_size(env: Optional[ClusterEnvironment], devices: int, num_nodes: int) -> None:
+    """Raise before training when the launcher's process count disagrees with ``devices`` × ``num_nodes``."""
+    if env is None:
+        return
+    world_size = launcher_world_size(env)
+    if world_size is None:
+        return
+    name = launcher_name(env)
+    expected = devices * num_nodes
+    if world_size != expected:
+        per_node, nodes = _split(world_size, num_nodes)
+        raise ValueError(
+            f"{name} started {world_size} processes in all, but `Trainer(devices={devices}, num_nodes={num_nodes})`"
+            f" makes {devices} × {num_nodes} = {expected}. Either set `Trainer(devices={per_node},"
+            f" num_nodes={nodes})`, or launch {expected} processes (e.g. `lightning-gaudi-ds spawn --world_size"
+            f" {expected} ...` on one node)."
+        )
+    local = launcher_local_world_size()
+    if local is not None and local[1] != devices:
+        key, value = local
+        raise ValueError(
+            f"{name} started {value} processes on this node ({key}={value}), but `Trainer(devices={devices})`"
+            f" expects {devices} per node. Set `Trainer(devices={value}, num_nodes={world_size // max(value, 1)})`"
+            f" or start {devices} processes per node."
+        )
+
+
+def _split(world_size: int, num_nodes: int) -> tuple[int, int]:
+    """A devices/num_nodes suggestion for ``world_size`` processes, keeping num_nodes when it divides."""
+    if num_nodes > 0 and world_size % num_nodes == 0:
+        return world_size // num_nodes, num_nodes
+    return world_size, 1
