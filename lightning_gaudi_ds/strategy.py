@@ -312,6 +312,57 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             check_launcher_world_size(self.cluster_environment, self.num_processes, self.num_nodes)
         super().set_world_ranks()
 
+    # ------------------------------------------- checkpoints (issue 5: crash-safe saves, validation, resharding)
+    # Saves go to `<name>.partial`; rank 0 adds a manifest and renames it into place only after every rank wrote
+    # its shard, so `<name>` (and ModelCheckpoint's "last") is always complete. Loads validate first and go through
+    # a DeepSpeed universal checkpoint when the world size changed. The logic lives in lightning_gaudi_ds.checkpoint.
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage of the resolved DeepSpeed config (0-3)."""
+        assert isinstance(self.config, dict)
+        return int((self.config.get("zero_optimization") or {}).get("stage", 0))
+
+    @override
+    def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        from lightning_gaudi_ds import checkpoint as ckpt
+
+        if storage_options is not None:  # Lightning's own error
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        final = self.broadcast(str(filepath))
+        staging = ckpt.partial_path(final)
+        if self.is_global_zero:
+            ckpt.prepare_save(final)
+        self.barrier("lightning_gaudi_ds.save_checkpoint.begin")
+        super().save_checkpoint(checkpoint, str(staging))
+        self.barrier("lightning_gaudi_ds.save_checkpoint.written")  # every rank has written its shard
+        error = None
+        if self.is_global_zero:
+            try:
+                ckpt.commit_save(staging, final, self.zero_stage, self.world_size, "lr_schedulers" not in checkpoint)
+            except Exception as err:  # noqa: BLE001  (re-raised on every rank below)
+                error = f"{type(err).__name__}: {err}"
+        error = self.broadcast(error)
+        if error is not None:
+            raise RuntimeError(f"Saving checkpoint {final} failed on rank 0: {error}")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if self.load_full_weights and self.zero_stage_3:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        from lightning_gaudi_ds import checkpoint as ckpt
+
+        info = ckpt.validate_checkpoint(checkpoint_path, zero_stage=self.zero_stage)
+        if info.world_size == self.world_size:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        return ckpt.load_resharded(self, info)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        from lightning_gaudi_ds import checkpoint as ckpt
+
+        if self.is_global_zero:
+            ckpt.remove_checkpoint(filepath)
+
     # ---------------------------------------------------------------------------------- registry
     @classmethod
     @override
