@@ -9,9 +9,10 @@ from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_gaudi_ds.accelerator import HPUAccelerator
+from lightning_gaudi_ds.launch import DistributedRunner
 from lightning_gaudi_ds.strategy import HPUDeepSpeedStrategy
 
-__all__ = ["HPUAccelerator", "HPUDeepSpeedStrategy", "__version__"]
+__all__ = ["DistributedRunner", "HPUAccelerator", "HPUDeepSpeedStrategy", "__version__"]
 __version__ = "0.1.0"
 
 HPUDeepSpeedStrategy.register_strategies(StrategyRegistry)

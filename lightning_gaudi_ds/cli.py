@@ -23,7 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-gaudi-ds", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name != module_name:
+                raise
+            continue  # a subcommand whose module is not part of this build (yet): the others still work
         module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
         sub.choices[name].set_defaults(_module=module)
     return parser

@@ -1,0 +1,126 @@
+"""Per-rank shim that :class:`~lightning_gaudi_ds.launch.DistributedRunner` puts between a launcher and the script.
+
+``python path/to/_rank.py script.py args...`` (or ``-m module args...``; run by path so that the package and
+its heavy imports are not loaded) runs the script as a child,
+copies its output to this process's stdout and to ``<run dir>/rank<R>.log``, and records what happened to it
+in ``<run dir>/rank<R>.json`` ("pid", "child_pid", "host", then "returncode"), so the runner learns which rank
+failed and how, whatever launcher sits in between. SIGTERM/SIGINT/SIGHUP are passed on to the script; the
+script gets SIGKILL if this shim dies. Without ``LIGHTNING_GAUDI_DS_RUN_DIR`` it simply becomes the script.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+RUN_DIR_ENV = "LIGHTNING_GAUDI_DS_RUN_DIR"
+# Global rank as each launcher announces it; the first one present wins.
+_RANK_KEYS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
+_PR_SET_PDEATHSIG = 1
+
+
+def global_rank_from_env() -> int:
+    for key in _RANK_KEYS:
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
+
+
+def python_command(argv: list[str]) -> list[str]:
+    """``script.py args`` -> ``python -u script.py args``; ``-m module args`` -> ``python -u -m module args``."""
+    if not argv:
+        raise SystemExit("usage: python _rank.py (script.py | -m module) [args...]")
+    return [sys.executable, "-u", *argv]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec: no Python-level locks
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+try:
+    _prctl: Optional[Any] = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+except (OSError, AttributeError):
+    _prctl = None
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)  # the runner never reads a half-written record
+
+
+def _pump(src: int, log: Any) -> None:
+    out = sys.stdout.buffer
+    while True:
+        try:
+            chunk = os.read(src, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        try:
+            log.write(chunk)
+            log.flush()
+        except (OSError, ValueError):  # the log was closed: the script has exited
+            break
+        try:
+            out.write(chunk)
+            out.flush()
+        except (OSError, ValueError):  # the launcher stopped reading: keep the log going
+            pass
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    command = python_command(argv)
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        os.execv(command[0], command)
+    directory = Path(run_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    rank = global_rank_from_env()
+    record_path = directory / f"rank{rank}.json"
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    read_fd, write_fd = os.pipe()
+    with open(directory / f"rank{rank}.log", "ab") as log:
+        child = subprocess.Popen(
+            command, env=env, stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd,
+            preexec_fn=_die_with_parent, close_fds=True,
+        )
+        os.close(write_fd)
+        record: dict[str, Any] = {
+            "rank": rank, "pid": os.getpid(), "child_pid": child.pid, "host": socket.gethostname(),
+            "local_rank": os.environ.get("LOCAL_RANK"), "command": command,
+        }
+        _write_json(record_path, record)
+
+        def forward(signum: int, frame: Any) -> None:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, forward)
+        pump = threading.Thread(target=_pump, args=(read_fd, log), daemon=True)
+        pump.start()
+        returncode = child.wait()
+        # Processes the script started (Lightning's own launcher) may hold the pipe open: do not wait on them.
+        pump.join(timeout=2.0)
+    record["returncode"] = returncode
+    _write_json(record_path, record)
+    return 128 - returncode if returncode < 0 else returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
