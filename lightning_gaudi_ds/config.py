@@ -321,7 +321,7 @@ def resolve_config(config: Mapping[str, Any], ctx: AutoContext, source: str = "d
 
     def fill(key: str, value: Any, why: str) -> None:
         _set(cfg, key, value)
-        filled.append(f"{key} = {value!r} ({why})")
+        filled.append(f"{key} = {_fmt(value)} ({why})")
 
     def check(key: str, expected: Any, why: str) -> None:
         value = _get(cfg, key)

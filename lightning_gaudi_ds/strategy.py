@@ -299,6 +299,196 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             return super().reduce(tensor, group, "sum") / self.world_size
         return super().reduce(tensor, group, reduce_op)
 
+    # -------------------------------------------- DeepSpeed JSON config (issue 3): load, "auto", contradictions
+    # Lightning's __init__ calls _load_config; setup (and ZeRO-3's model_sharded_context) call _init_config_if_needed
+    # -> _format_config, which fills every "auto" with lightning_gaudi_ds.config.resolve_config. The strategy only
+    # gathers the facts (train loader batch size, Trainer flags, module hparams, model hidden size).
+    def __new__(cls, *args: Any, **kwargs: Any) -> "HPUDeepSpeedStrategy":
+        # Remember which arguments the user passed: an explicit argument can contradict a config, a default cannot.
+        import inspect
+
+        self = super().__new__(cls)
+        try:
+            bound = dict(inspect.signature(cls.__init__).bind_partial(None, *args, **kwargs).arguments)
+        except TypeError:
+            bound = {}  # __init__ reports the bad call
+        explicit = bound.pop("kwargs", {})
+        explicit.update({k: v for k, v in bound.items() if k != "self"})
+        self._explicit_args = explicit
+        return self
+
+    @override
+    def _load_config(self, config: Optional[Union[_PATH, dict[str, Any]]]) -> Optional[dict[str, Any]]:
+        from lightning_gaudi_ds.config import load_config, validate_config
+
+        loaded, source = load_config(config)
+        if loaded is not None:
+            validate_config(loaded, source or "dict")
+            rank_zero_info(f"DeepSpeed config: {source}")
+        self._config_source: Optional[str] = source  # None: Lightning's default config, built from the arguments
+        self._raw_config: Optional[dict[str, Any]] = None  # snapshot of `config` before the first resolution
+        self._config_resolved_for: Optional[tuple[int, Any]] = None
+        return loaded
+
+    @override
+    def _init_config_if_needed(self) -> None:
+        # Lightning formats once; resolve again when a fit follows validate/test/predict or comes from a new Trainer.
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        key = (id(trainer), trainer.state.fn if trainer is not None else None)
+        if not self._config_initialized or key != self._config_resolved_for:
+            self._format_config()
+            self._config_initialized = True
+            self._config_resolved_for = key
+
+    @override
+    def _format_config(self) -> None:
+        import copy
+
+        from lightning.fabric.strategies.deepspeed import _format_precision_config
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        from lightning_gaudi_ds import config as dsc
+
+        assert isinstance(self.config, dict)
+        if self._raw_config is None:
+            self._raw_config = copy.deepcopy(self.config)
+        raw, source = self._raw_config, self._config_source
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        hidden = dsc.hidden_size(module) if module is not None else None
+        if source is None and hidden:  # no user config: size the buckets from the model, not Lightning's 2e8
+            raw = dsc.mark_model_buckets(raw, self._explicit_args)
+        raw = copy.deepcopy(raw)  # Lightning's fp16 block (loss-scale arguments) where the config has none
+        _format_precision_config(
+            raw, self.precision_plugin.precision, self.loss_scale, self.loss_scale_window, self.min_loss_scale,
+            self.initial_scale_power, self.hysteresis,
+        )
+        micro = self._train_loader_batch_size(trainer) if fitting else None
+        total = None
+        if fitting and "scheduler" in raw:
+            steps = trainer.estimated_stepping_batches
+            total = int(steps) if steps != float("inf") else None
+        ctx = dsc.AutoContext(
+            world_size=self.world_size,
+            accumulate_grad_batches=trainer.accumulate_grad_batches if trainer is not None else 1,
+            micro_batch_size=micro,
+            gradient_clip_val=trainer.gradient_clip_val if trainer is not None else None,
+            precision=self.precision_plugin.precision,
+            hparams=dict(getattr(module, "hparams", None) or {}),
+            total_steps=total,
+            hidden_size=hidden,
+            strategy_args=self._explicit_args if source is not None else {},
+            fitting=fitting,
+        )
+        resolved = dsc.resolve_config(raw, ctx, source or "built from HPUDeepSpeedStrategy's arguments")
+        self.config = resolved.config
+        if fitting:
+            self._publish_config(resolved, trainer)
+
+    @staticmethod
+    def _train_loader_batch_size(trainer: "pl.Trainer") -> Optional[int]:  # noqa: F821
+        """The train DataLoader's batch size, building the loader as Trainer.estimated_stepping_batches does (after
+        LightningDataModule.setup has run); the fit loop then reuses it."""
+        loop = trainer.fit_loop
+        if loop._combined_loader is None:
+            loop.setup_data()
+        if loop._combined_loader is None:
+            return None
+        sizes = set()
+        for loader in loop._combined_loader.flattened:
+            size = getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+            sizes.add(size if isinstance(size, int) else None)
+        return sizes.pop() if len(sizes) == 1 else None
+
+    def _publish_config(self, resolved: Any, trainer: "pl.Trainer") -> None:  # noqa: F821
+        """Log the resolved config once (rank 0) and write it next to the run's logs, to reproduce the run."""
+        import json
+        from pathlib import Path
+
+        from lightning_gaudi_ds.config import CONFIG_FILENAME
+
+        log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank calls it
+        if not self.is_global_zero:
+            return
+        text = json.dumps(resolved.config, indent=2, default=repr)
+        path = Path(log_dir) / CONFIG_FILENAME
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+        filled = "".join(f"\n  {line}" for line in resolved.filled)
+        rank_zero_info(f"DeepSpeed config resolved (written to {path}); filled:{filled or ' nothing'}\n{text}")
+
+    @override
+    def _initialize_deepspeed_train(self, model: Module) -> None:
+        # Lightning's version, except that the optimizer and scheduler may come from the config *or* from
+        # configure_optimizers (never both), and a torch Adam/AdamW becomes DeepSpeedCPUAdam under ZeRO-Offload.
+        optimizer, scheduler_config = self._client_optimizer_and_scheduler()
+        scheduler = scheduler_config.scheduler if scheduler_config is not None else None
+        engine, ds_optimizer = self._setup_model_and_optimizer(model, optimizer, scheduler)
+        self._set_deepspeed_activation_checkpointing()
+        self.optimizers = [ds_optimizer]
+        if engine.lr_scheduler is not None:
+            ds_scheduler, engine.lr_scheduler = engine.lr_scheduler, None  # Lightning steps the scheduler
+            if scheduler_config is None:
+                scheduler_config = LRSchedulerConfig(ds_scheduler, interval="step")
+            else:
+                scheduler_config.scheduler = ds_scheduler
+            self.lr_scheduler_configs = [scheduler_config]
+        self.model = engine
+
+    def _client_optimizer_and_scheduler(self) -> tuple[Optional[Optimizer], Optional[LRSchedulerConfig]]:
+        import warnings
+
+        from lightning.pytorch.core.optimizer import _MockOptimizer
+
+        from lightning_gaudi_ds import optim
+
+        assert isinstance(self.config, dict)
+        with warnings.catch_warnings():
+            if "optimizer" in self.config:  # None is the expected answer then
+                warnings.filterwarnings("ignore", message=".*configure_optimizers` returned `None`")
+            optimizer, scheduler_config = self._init_optimizers()
+        client: Optional[Optimizer] = None if isinstance(optimizer, _MockOptimizer) else optimizer
+        both = [
+            f"`{section}` section ({(self.config[section] or {}).get('type')}) and configure_optimizers returned"
+            f" {type(obj).__name__}"
+            for section, obj in (("optimizer", client), ("scheduler", getattr(scheduler_config, "scheduler", None)))
+            if section in self.config and obj is not None
+        ]
+        if both:
+            raise ValueError(
+                f"The DeepSpeed config has an {' and an '.join(both)}; DeepSpeed takes each from one place. Remove"
+                " the section from the config, or return nothing for it from configure_optimizers"
+                " (`return None` to use the config's optimizer)."
+            )
+        if client is None and "optimizer" not in self.config:
+            raise ValueError(
+                "configure_optimizers returned None and the DeepSpeed config has no `optimizer` section, so there is"
+                ' nothing to train with. Return an optimizer, or add e.g. "optimizer": {"type": "AdamW", "params":'
+                ' {"lr": "auto"}} to the config.'
+            )
+        if client is not None and self._offloads_optimizer() and self.config.get("zero_force_ds_cpu_optimizer", True):
+            if not optim.is_convertible(client):
+                raise ValueError(
+                    f"ZeRO-Offload steps the optimizer on the CPU with DeepSpeedCPUAdam, and configure_optimizers"
+                    f" returned {type(client).__qualname__}, which DeepSpeed refuses with offload. Return"
+                    " torch.optim.AdamW or torch.optim.Adam (converted for you), put an `optimizer` section in the"
+                    ' config, or set "zero_force_ds_cpu_optimizer": false to keep it (slow).'
+                )
+            before = type(client).__name__
+            client = optim.to_cpu_adam(client, getattr(scheduler_config, "scheduler", None))
+            rank_zero_info(
+                f"ZeRO-Offload: training with DeepSpeedCPUAdam (adamw_mode={client.adam_w_mode}) in place of the"
+                f" torch.optim.{before} from configure_optimizers, with the same parameter groups and hyperparameters;"
+                " DeepSpeed refuses a torch optimizer with offload."
+            )
+        return client, scheduler_config
+
+    def _offloads_optimizer(self) -> bool:
+        zero = self.config.get("zero_optimization") if isinstance(self.config, dict) else None
+        offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+        return isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme")
+
     # ------------------------------------------------ external launchers (issue 4: torchrun, deepspeed, mpirun)
     @override
     def set_world_ranks(self) -> None:
