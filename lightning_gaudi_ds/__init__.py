@@ -9,10 +9,17 @@ from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_gaudi_ds.accelerator import HPUAccelerator
+from lightning_gaudi_ds.checkpoint import convert_zero_checkpoint_to_fp32_state_dict
 from lightning_gaudi_ds.launch import DistributedRunner
 from lightning_gaudi_ds.strategy import HPUDeepSpeedStrategy
 
-__all__ = ["DistributedRunner", "HPUAccelerator", "HPUDeepSpeedStrategy", "__version__"]
+__all__ = [
+    "DistributedRunner",
+    "HPUAccelerator",
+    "HPUDeepSpeedStrategy",
+    "__version__",
+    "convert_zero_checkpoint_to_fp32_state_dict",
+]
 __version__ = "0.1.0"
 
 HPUDeepSpeedStrategy.register_strategies(StrategyRegistry)

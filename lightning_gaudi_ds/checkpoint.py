@@ -138,13 +138,8 @@ def validate_checkpoint(
             raise CheckpointError(
                 f"{path} is the tag folder inside the DeepSpeed checkpoint {path.parent}. Pass {path.parent}."
             )
-        has_shards = any(path.glob("*/*model_states.pt"))
-        if incomplete or has_shards:
-            raise IncompleteCheckpointError(
-                f"Checkpoint {path} is incomplete: its save was interrupted before it finished. Missing: the"
-                f" `latest` file and the manifest {MANIFEST}{_missing_suffix(path, tag)}. Resume from an earlier"
-                " checkpoint; this directory can be deleted."
-            )
+        if incomplete or any(path.glob("*/*model_states.pt")):
+            raise _incomplete(path, ["latest", MANIFEST, *_missing_shards(path, tag)])
         listing = sorted(p.name for p in path.iterdir())[:10]
         raise CheckpointError(
             f"{path} is not a DeepSpeed ZeRO checkpoint: it has no `latest` file and no {MANIFEST}"
@@ -168,10 +163,7 @@ def validate_checkpoint(
             if not (path / name).is_file() or (path / name).stat().st_size != size
         ]
         if missing:
-            raise IncompleteCheckpointError(
-                f"Checkpoint {path} is incomplete: {', '.join(missing)}. Copy the missing shards back or resume"
-                " from another checkpoint."
-            )
+            raise _incomplete(path, missing)
         info = CheckpointInfo(path, tag, int(manifest["zero_stage"]), int(manifest["world_size"]),
                               dict(manifest["files"]), True, bool(manifest.get("weights_only", False)))
     else:
@@ -181,13 +173,9 @@ def validate_checkpoint(
             raise IncompleteCheckpointError(
                 f"Checkpoint {path} is incomplete: no *_model_states.pt file in {tag_dir}."
             ) from None
-        missing = [n for n in _expected_shards(tag_dir, stage, world_size, mp_world_size) if not (tag_dir / n).is_file()]
+        missing = _missing_shards(path, tag)
         if missing or incomplete:
-            what = ", ".join(f"{tag}/{n}" for n in missing) or f"the manifest {MANIFEST}"
-            raise IncompleteCheckpointError(
-                f"Checkpoint {path} (ZeRO stage {stage}, {world_size} ranks) is incomplete; missing: {what}."
-                " A rank did not finish writing it: resume from another checkpoint."
-            )
+            raise _incomplete(path, [*missing, *([MANIFEST] if incomplete else [])], f"ZeRO stage {stage}, {world_size} ranks")
         files = {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()}
         info = CheckpointInfo(path, tag, stage, world_size, files, False)
     if zero_stage is not None and info.zero_stage != zero_stage:
@@ -199,17 +187,30 @@ def validate_checkpoint(
     return info
 
 
-def _missing_suffix(path: Path, tag: Optional[str]) -> str:
-    """', <shard>, ...' for the shards missing from an interrupted save, when they can be told."""
-    tag_dirs = [path / tag] if tag else [p for p in path.iterdir() if p.is_dir()]
+def _missing_shards(path: Path, tag: Optional[str]) -> list[str]:
+    """The shards (``<tag>/<file>``) missing from a checkpoint without manifest, as far as they can be told."""
+    tag_dirs = [path / tag] if tag else sorted(p for p in path.iterdir() if p.is_dir())
     for tag_dir in tag_dirs:
         try:
             stage, world_size, mp_world_size = _read_model_states_meta(tag_dir)
-        except Exception:  # noqa: BLE001  (a half-written file is expected here)
+        except Exception:  # noqa: BLE001  (no or a half-written model-states file: nothing more to tell)
             continue
-        missing = [n for n in _expected_shards(tag_dir, stage, world_size, mp_world_size) if not (tag_dir / n).is_file()]
-        return "".join(f", {tag_dir.name}/{n}" for n in missing)
-    return ""
+        expected = _expected_shards(tag_dir, stage, world_size, mp_world_size)
+        return [f"{tag_dir.name}/{n}" for n in expected if not (tag_dir / n).is_file()]
+    return []
+
+
+def _incomplete(path: Path, missing: list[str], what: str = "") -> IncompleteCheckpointError:
+    if path.name.endswith(PARTIAL):
+        final = path.with_name(path.name[: -len(PARTIAL)])
+        hint = f"It is an unfinished save of {final.name}"
+        hint += f", which still holds the previous complete checkpoint." if final.exists() else "."
+        hint += " Resume from a complete checkpoint; this directory can be deleted."
+    else:
+        hint = "A rank did not finish writing it, or files were lost: resume from another checkpoint."
+    return IncompleteCheckpointError(
+        f"Checkpoint {path}{f' ({what})' if what else ''} is incomplete; missing: {', '.join(missing)}. {hint}"
+    )
 
 
 def _read_manifest(path: Path) -> Optional[dict[str, Any]]:

@@ -1,17 +1,13 @@
-"""Checkpoint scenarios as a real multi-rank job (Lightning's own launcher starts the other ranks).
+"""Checkpoint scenarios as one real multi-rank job (Lightning's own launcher starts the other ranks).
 
-For every ``--stages`` entry, in the same processes:
+``--plan`` is a JSON list of fits, run in order in the same processes, each with a new model, strategy and
+Trainer with ``ModelCheckpoint`` (keys: see ``DEFAULTS``; one epoch is ``epoch_steps`` optimizer steps of the
+same global batch on any number of ranks, so runs on 1 and 2 ranks see the same batches).
 
-* ``full``: train ``2 * steps`` steps from scratch with ``ModelCheckpoint`` (one epoch = ``steps`` steps);
-* ``resumed`` (``--parity``): a new Trainer and model resume from the step-``steps`` checkpoint of ``full``
-  and train to ``2 * steps``: its losses must equal ``full``'s;
-* ``--resume-from TEMPLATE`` (``{stage}`` is substituted): one fit resumed from that checkpoint instead of
-  ``full``, for ``steps`` more steps (world-size changes).
+``kill_at_save: N`` SIGKILLs rank ``kill_rank`` during its N-th checkpoint save of that fit, after the
+model-state file and before its ZeRO optimizer shard is written: a deterministic half-written checkpoint.
 
-``--kill-at-save N --kill-rank R`` SIGKILLs rank R during its N-th checkpoint save, after the model-state
-file and before its ZeRO shard is written: deterministic half-written checkpoints.
-
-Each rank writes ``<out>/rank<N>.json``: per fit the losses, learning rates and epochs per global step,
+Each rank writes ``<out>/rank<N>.json``: per fit the loss, learning rate and epoch of every global step,
 the model's outputs on a probe input and an optimizer-state fingerprint at train start and end, and the
 checkpoint callback's paths.
 """
@@ -23,8 +19,10 @@ import json
 import os
 import signal
 import sys
+import time
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -94,7 +92,8 @@ class Recorder(L.Callback):
 
     def _outputs(self, pl_module: L.LightningModule) -> list[list[float]]:
         with torch.no_grad():
-            return pl_module(probe_input().to(pl_module.device)).float().tolist()
+            param = next(pl_module.parameters())
+            return pl_module(probe_input().to(param.device, param.dtype)).float().tolist()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.info["start"] = {
@@ -123,74 +122,56 @@ class Recorder(L.Callback):
         }
 
 
-def make_strategy(args: argparse.Namespace, stage: int) -> HPUDeepSpeedStrategy:
-    return HPUDeepSpeedStrategy(stage=stage, timeout=__import__("datetime").timedelta(seconds=args.pg_timeout))
+DEFAULTS: dict[str, Any] = {
+    "stage": 2, "precision": "32-true", "max_steps": 8, "epoch_steps": 4, "ckpt_path": None, "every": 4,
+    "save_top_k": -1, "save_last": True, "weights_only": False, "kill_at_save": 0, "kill_rank": 1,
+}
 
 
-def fit(args: argparse.Namespace, stage: int, name: str, max_steps: int, ckpt_dir: Path,
-        ckpt_path: Optional[str] = None, kill: bool = False) -> dict[str, Any]:
+def fit(spec: dict[str, Any], devices: int, pg_timeout: float) -> dict[str, Any]:
+    """One Trainer.fit as described by ``spec`` (keys of DEFAULTS plus ``name`` and ``dir``)."""
+    spec = {**DEFAULTS, **spec}
     L.seed_everything(42, workers=True)
     model = CkptModel()
-    # one epoch = `steps` optimizer steps on the global batch, whatever the world size
-    data = make_data(n=args.steps * BATCH * 2)
+    data = make_data(n=spec["epoch_steps"] * BATCH * 2)  # `epoch_steps` steps of the same global batch
+    ckpt_dir = Path(spec["dir"])
     checkpoint = ModelCheckpoint(
-        dirpath=ckpt_dir, filename="{epoch}-{step}", every_n_train_steps=args.every, save_last=args.save_last,
-        save_top_k=args.save_top_k, monitor="train_loss" if args.save_top_k > 0 else None,
-        save_weights_only=args.weights_only,
+        dirpath=ckpt_dir, filename="{epoch}-{step}", every_n_train_steps=spec["every"], save_last=spec["save_last"],
+        save_top_k=spec["save_top_k"], monitor="train_loss" if spec["save_top_k"] > 0 else None,
+        save_weights_only=spec["weights_only"],
     )
-    recorder = Recorder(args.kill_at_save if kill else 0, args.kill_rank)
+    recorder = Recorder(spec["kill_at_save"], spec["kill_rank"])
+    strategy = HPUDeepSpeedStrategy(stage=spec["stage"], timeout=timedelta(seconds=pg_timeout))
     trainer = L.Trainer(
-        accelerator="cpu", devices=args.devices, strategy=make_strategy(args, stage), precision=args.precision,
-        max_steps=max_steps, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
+        accelerator="cpu", devices=devices, strategy=strategy, precision=spec["precision"],
+        max_steps=spec["max_steps"], limit_val_batches=0, num_sanity_val_steps=0, logger=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoint, recorder],
     )
-    per_rank_batch = BATCH * 2 // args.devices  # same global batch on 1 and 2 ranks
-    trainer.fit(model, DataLoader(data, batch_size=per_rank_batch, shuffle=False), ckpt_path=ckpt_path)
+    per_rank_batch = BATCH * 2 // devices  # the same global batch on 1 and 2 ranks
+    started = time.monotonic()
+    trainer.fit(model, DataLoader(data, batch_size=per_rank_batch, shuffle=False), ckpt_path=spec["ckpt_path"])
     return {
         "records": {str(k): v for k, v in sorted(model.records.items())},
         "global_step": trainer.global_step, "epoch": trainer.current_epoch, **recorder.info,
         "last_model_path": checkpoint.last_model_path, "best_model_path": checkpoint.best_model_path,
         "best_k_models": sorted(checkpoint.best_k_models),
         "ckpt_dir_listing": sorted(os.listdir(ckpt_dir)) if ckpt_dir.exists() else [],
+        "seconds": time.monotonic() - started,
     }
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", required=True, help="results folder: rank<N>.json")
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--stages", type=int, nargs="+", default=[2])
-    parser.add_argument("--precision", default="32-true")
-    parser.add_argument("--steps", type=int, default=4, help="k: steps per epoch and before the resume point")
-    parser.add_argument("--every", type=int, default=None, help="every_n_train_steps (default: steps)")
-    parser.add_argument("--save-top-k", type=int, default=-1)
-    parser.add_argument("--save-last", default="true", choices=["true", "false", "link"])
-    parser.add_argument("--weights-only", action="store_true")
-    parser.add_argument("--parity", action="store_true")
-    parser.add_argument("--resume-from", default=None, help="checkpoint path template with {stage}")
-    parser.add_argument("--kill-at-save", type=int, default=0)
-    parser.add_argument("--kill-rank", type=int, default=1)
-    parser.add_argument("--pg-timeout", type=float, default=60)
+    parser.add_argument("--plan", required=True, help="JSON list of fit specs (see DEFAULTS), run in order")
+    parser.add_argument("--pg-timeout", type=float, default=60, help="process-group timeout, seconds")
     args = parser.parse_args(argv)
-    args.every = args.every or args.steps
-    args.save_last = {"true": True, "false": False, "link": "link"}[args.save_last]
 
     torch.set_num_threads(1)
-    out = Path(args.out)
-    results: dict[str, Any] = {}
-    for stage in args.stages:
-        base = out / f"stage{stage}"
-        if args.resume_from:
-            results[f"stage{stage}/resumed"] = fit(args, stage, "resumed", 2 * args.steps, base / "resumed",
-                                                   ckpt_path=args.resume_from.format(stage=stage))
-            continue
-        results[f"stage{stage}/full"] = fit(args, stage, "full", 2 * args.steps, base / "full",
-                                            kill=bool(args.kill_at_save))
-        if args.parity:
-            resume = str(base / "full" / f"epoch=0-step={args.steps}.ckpt")
-            results[f"stage{stage}/resumed"] = fit(args, stage, "resumed", 2 * args.steps, base / "resumed",
-                                                   ckpt_path=resume)
+    results = {spec["name"]: fit(spec, args.devices, args.pg_timeout) for spec in json.loads(args.plan)}
     rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
     print(f"rank {rank} done pid={os.getpid()}", flush=True)
