@@ -7,6 +7,8 @@ Only the device-dependent hooks are overridden; everything else (precision plugi
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
@@ -48,6 +50,25 @@ _REGISTERED: tuple[tuple[str, str, dict[str, Any]], ...] = (
 )
 
 
+def _records_explicit_args(init: Callable[..., None]) -> Callable[..., None]:
+    """Wrap ``__init__`` to remember which arguments the caller passed (``self._explicit_args``): an explicit
+    argument can contradict a config, a default cannot. ``functools.wraps`` keeps the real signature visible
+    to ``inspect`` and to LightningCLI/jsonargparse (a ``__new__(*args, **kwargs)`` would hide it)."""
+
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            bound = dict(inspect.signature(init).bind_partial(self, *args, **kwargs).arguments)
+        except TypeError:
+            bound = {}  # __init__ reports the bad call
+        explicit = bound.pop("kwargs", {})
+        explicit.update({k: v for k, v in bound.items() if k != "self"})
+        self._explicit_args = explicit
+        init(self, *args, **kwargs)
+
+    return wrapper
+
+
 class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     """DeepSpeed ZeRO stages 0-3 (with CPU/NVMe offload) for Lightning on Intel Gaudi, CUDA GPUs and CPUs.
 
@@ -65,6 +86,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     strategy_name = "hpu_deepspeed"
 
+    @_records_explicit_args
     def __init__(
         self,
         stage: int = 2,
@@ -303,20 +325,6 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     # Lightning's __init__ calls _load_config; setup (and ZeRO-3's model_sharded_context) call _init_config_if_needed
     # -> _format_config, which fills every "auto" with lightning_gaudi_ds.config.resolve_config. The strategy only
     # gathers the facts (train loader batch size, Trainer flags, module hparams, model hidden size).
-    def __new__(cls, *args: Any, **kwargs: Any) -> "HPUDeepSpeedStrategy":
-        # Remember which arguments the user passed: an explicit argument can contradict a config, a default cannot.
-        import inspect
-
-        self = super().__new__(cls)
-        try:
-            bound = dict(inspect.signature(cls.__init__).bind_partial(None, *args, **kwargs).arguments)
-        except TypeError:
-            bound = {}  # __init__ reports the bad call
-        explicit = bound.pop("kwargs", {})
-        explicit.update({k: v for k, v in bound.items() if k != "self"})
-        self._explicit_args = explicit
-        return self
-
     @override
     def _load_config(self, config: Optional[Union[_PATH, dict[str, Any]]]) -> Optional[dict[str, Any]]:
         from lightning_gaudi_ds.config import load_config, validate_config
