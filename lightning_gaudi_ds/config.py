@@ -36,6 +36,10 @@ else the module hparam ``hidden_size``, else the smaller dimension of the larges
 that is ``d_model``: embeddings are ``vocab x d``, projections ``d x k*d``). ``hparams`` are the LightningModule's
 ``save_hyperparameters()`` values. An ``"auto"`` with no source is an error naming the key and how to supply it.
 
+``gradient_accumulation_steps``, ``train_micro_batch_size_per_gpu`` and ``gradient_clipping`` are filled as if
+``"auto"`` when the config leaves them out (Lightning's own strategy always sets them from the Trainer); a micro
+batch that is left out and has no source is 1, as in Lightning (DeepSpeed only uses it for its bookkeeping then).
+
 A strategy argument passed explicitly (``HPUDeepSpeedStrategy(stage=3, config=...)``) fills its key when the config
 leaves it out or says ``"auto"``, and is a contradiction when the config sets a different value.
 """
@@ -81,6 +85,9 @@ AUTO_KEYS: tuple[str, ...] = (
     *SCHEDULER_AUTO_KEYS,
     *BUCKET_KEYS,
 )
+
+#: Keys Lightning always sets from the Trainer: left out of a config, they are filled as if "auto".
+TRAINER_KEYS = ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "gradient_clipping")
 
 # Top-level sections DeepSpeed reads by constant name, outside deepspeed.runtime.constants: (module, constant).
 _SECTION_CONSTANTS = (
@@ -295,7 +302,7 @@ class AutoContext:
     total_steps: Optional[int] = None  # Trainer.estimated_stepping_batches
     hidden_size: Optional[int] = None  # see hidden_size()
     strategy_args: Mapping[str, Any] = field(default_factory=dict)  # arguments the user passed explicitly
-    fitting: bool = True  # False: validate/test/predict; data-dependent keys may stay "auto"
+    fitting: bool = True  # False (validate/test/predict): sourceless micro batch is 1, optimizer autos stay
 
 
 @dataclass(frozen=True)
@@ -351,7 +358,9 @@ def resolve_config(config: Mapping[str, Any], ctx: AutoContext, source: str = "d
             fix = 'set it to "auto"' if key in AUTO_KEYS else "remove the key or the argument"
             problems.append(f"{key}: the config has {_fmt(current)}, {label} gives {_fmt(value)}; {fix}")
 
-    # 3. batch sizes
+    # 3. batch sizes. Keys the config leaves out are set from the Trainer, as Lightning's own strategy does.
+    implicit = [key for key in TRAINER_KEYS if key not in cfg]
+    cfg.update({key: AUTO for key in implicit})
     world, accum = ctx.world_size, ctx.accumulate_grad_batches
     if _get(cfg, "gradient_accumulation_steps") == AUTO:
         fill("gradient_accumulation_steps", accum, f"Trainer(accumulate_grad_batches={accum})")
@@ -363,7 +372,9 @@ def resolve_config(config: Mapping[str, Any], ctx: AutoContext, source: str = "d
             fill("train_micro_batch_size_per_gpu", ctx.micro_batch_size, "train DataLoader batch_size")
         elif isinstance(train, int) and not isinstance(train, bool) and train % (accum * world) == 0:
             fill("train_micro_batch_size_per_gpu", train // (accum * world), "train_batch_size / (accumulation * world size)")
-        elif ctx.fitting:
+        elif "train_micro_batch_size_per_gpu" in implicit or not ctx.fitting:
+            fill("train_micro_batch_size_per_gpu", 1, "no train DataLoader batch size; 1, as Lightning")
+        else:
             problems.append(
                 'train_micro_batch_size_per_gpu: "auto" has no source: the train DataLoader has no single batch_size'
                 " (a batch_sampler without one, several loaders, or no loader). Set it in the config."
@@ -378,7 +389,7 @@ def resolve_config(config: Mapping[str, Any], ctx: AutoContext, source: str = "d
             fill("train_batch_size", total, why)
         else:
             check("train_batch_size", total, why)
-    elif train == AUTO and ctx.fitting:
+    elif train == AUTO:
         problems.append('train_batch_size: "auto" needs train_micro_batch_size_per_gpu; set one of them.')
 
     # 4. gradient clipping

@@ -452,9 +452,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         from lightning_gaudi_ds import optim
 
         assert isinstance(self.config, dict)
-        with warnings.catch_warnings():
-            if "optimizer" in self.config:  # None is the expected answer then
-                warnings.filterwarnings("ignore", message=".*configure_optimizers` returned `None`")
+        with warnings.catch_warnings():  # None: the config's optimizer is used, or the error below says what to do
+            warnings.filterwarnings("ignore", message=".*configure_optimizers` returned `None`")
             optimizer, scheduler_config = self._init_optimizers()
         client: Optional[Optimizer] = None if isinstance(optimizer, _MockOptimizer) else optimizer
         both = [
