@@ -310,15 +310,18 @@ def _say(message: str) -> None:
 class _LockWatch(threading.Thread):
     """While this process loads an op: clear the lock if its owner dies, and say who is being waited on."""
 
-    def __init__(self, path: Path, say: Callable[[str], None], poll_s: float = 0.5, report_s: float = 30.0) -> None:
+    def __init__(self, path: Path, say: Callable[[str], None], poll_s: float = 0.5, first_report_s: float = 5.0,
+                 report_s: float = 30.0) -> None:
         super().__init__(name=f"lgds-lock-watch-{path.parent.name}", daemon=True)
         self.path, self.say, self.poll_s, self.report_s = path, say, poll_s, report_s
+        self.first_report_s = first_report_s
         self.stop = threading.Event()
         self.cleared = threading.Event()
         self.error: Optional[BaseException] = None
 
     def run(self) -> None:
-        start, next_report = time.monotonic(), time.monotonic() + 5.0
+        start = time.monotonic()
+        next_report = start + self.first_report_s
         while not self.stop.wait(self.poll_s):
             try:
                 info = inspect_lock(self.path)

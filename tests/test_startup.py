@@ -1,0 +1,374 @@
+"""Start-up never hangs on a torch extension build lock, and trains when DeepSpeed's CPU op cannot be built.
+
+Every test uses a private TORCH_EXTENSIONS_DIR: a lock planted in the shared cache would hang everyone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from lightning_gaudi_ds import ops
+from tests.procs import JOBS, kill_group, run_job
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture()
+def ext_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "torch_extensions"
+    root.mkdir()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))
+    return root
+
+
+def _plant(ext: Path, name: str = ops.SHM_COMM) -> Path:
+    (ext / name).mkdir(parents=True, exist_ok=True)
+    lock = ext / name / "lock"
+    lock.touch()
+    return lock
+
+
+_FILE_BATON = Path(importlib.util.find_spec("torch").submodule_search_locations[0]) / "utils" / "file_baton.py"
+
+
+class _Holder:
+    """A real process that takes the lock exactly as torch's FileBaton does (O_CREAT|O_EXCL, kept open)."""
+
+    def __init__(self, lock: Path, hold_s: float = 60.0, cwd: Path | None = None) -> None:
+        code = textwrap.dedent(f"""
+            import importlib.util, sys, time
+            spec = importlib.util.spec_from_file_location("file_baton", {str(_FILE_BATON)!r})
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)   # torch's own FileBaton, without importing torch (slow)
+            FileBaton = module.FileBaton
+            baton = FileBaton({str(lock)!r})
+            assert baton.try_acquire(), "lock already taken"
+            print("held", flush=True)
+            time.sleep({hold_s})
+            baton.release()   # raises FileNotFoundError if someone removed our live lock
+            print("released", flush=True)
+        """)
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, cwd=cwd, start_new_session=True)
+        assert self.proc.stdout is not None
+        assert self.proc.stdout.readline().strip() == "held"
+
+    def kill(self) -> None:
+        kill_group(self.proc.pid)
+        self.proc.wait()
+
+    def finish(self, timeout: float = 60) -> tuple[int, str]:
+        out, _ = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out
+
+
+# ---------------------------------------------------------------------------------- lock detection
+def test_absent_lock(ext_dir: Path) -> None:
+    assert ops.inspect_lock(ops.lock_path(ops.SHM_COMM)).state == "absent"
+    assert not ops.clear_stale_lock(ops.lock_path(ops.SHM_COMM)).exists
+
+
+def test_lock_without_owner_is_stale_and_cleared(ext_dir: Path) -> None:
+    lock = _plant(ext_dir)
+    assert ops.lock_path(ops.SHM_COMM) == lock
+    info = ops.inspect_lock(lock)
+    assert info.state == "stale", info
+    assert "stale" in info.describe() and str(lock) in info.describe()
+    assert ops.clear_stale_lock(lock, settle_s=0.05).state == "stale"
+    assert not lock.exists()
+
+
+def test_lock_of_a_killed_owner_is_stale(ext_dir: Path) -> None:
+    lock = ext_dir / ops.SHM_COMM / "lock"
+    lock.parent.mkdir()
+    holder = _Holder(lock)
+    try:
+        info = ops.inspect_lock(lock)
+        assert info.state == "live" and holder.proc.pid in info.holders, info
+    finally:
+        holder.kill()  # SIGTERM: FileBaton has no handler, the file stays behind like after Ctrl-C/kill
+    assert lock.exists()
+    assert ops.inspect_lock(lock).state == "stale"
+    ops.clear_stale_lock(lock, settle_s=0.05)
+    assert not lock.exists()
+
+
+def test_live_lock_is_never_removed(ext_dir: Path) -> None:
+    lock = ext_dir / ops.SHM_COMM / "lock"
+    lock.parent.mkdir()
+    holder = _Holder(lock, hold_s=2.0)
+    info = ops.clear_stale_lock(lock, settle_s=0.05)
+    assert info.state == "live" and lock.exists()
+    assert ops.clear_stale_locks([ops.SHM_COMM], strict=True)[0].state == "live"
+    rc, out = holder.finish()
+    assert rc == 0, out  # its own release found the file it created: nobody broke the lock
+    assert not lock.exists()
+
+
+def test_orphaned_compile_in_build_dir_keeps_lock_live(ext_dir: Path) -> None:
+    """The building Python was killed but its ninja/c++ still runs in the build dir: do not clear yet."""
+    lock = _plant(ext_dir)
+    compile_ = subprocess.Popen(["sleep", "30"], cwd=lock.parent, start_new_session=True)
+    try:
+        info = ops.inspect_lock(lock)
+        assert info.state == "live" and compile_.pid in info.builders, info
+        assert ops.clear_stale_lock(lock, settle_s=0.05).state == "live" and lock.exists()
+    finally:
+        kill_group(compile_.pid)
+        compile_.wait()
+    assert ops.clear_stale_lock(lock, settle_s=0.05).state == "stale" and not lock.exists()
+
+
+def test_owner_that_cannot_be_inspected_is_an_error_naming_the_file(ext_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    lock = _plant(ext_dir)
+    unknown = ops.LockInfo(lock, True, lock.stat().st_ino, 1.0, uninspected=-1)
+    monkeypatch.setattr(ops, "inspect_lock", lambda path: unknown)
+    with pytest.raises(ops.BuildLockError, match=f"rm {lock}"):
+        ops.clear_stale_lock(lock)
+    with pytest.raises(ops.BuildLockError):
+        ops.clear_stale_locks([ops.SHM_COMM], strict=True)
+    said: list[str] = []
+    assert ops.clear_stale_locks([ops.SHM_COMM], said.append, strict=False) == []
+    assert said and str(lock) in said[0]
+    assert lock.exists()
+
+
+def test_concurrent_clearers_remove_only_the_stale_lock(ext_dir: Path) -> None:
+    """Every rank clears at once; none may remove the fresh lock another rank's build took meanwhile."""
+    lock = _plant(ext_dir)
+    results: list[Any] = []
+    threads = [threading.Thread(target=lambda: results.append(ops.clear_stale_lock(lock, settle_s=0.2)))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not lock.exists()
+    assert sum(r.state == "stale" for r in results) >= 1
+
+
+# ------------------------------------------------------------------------- loading with a watched lock
+class _FakeBuilder:
+    """Loads the way torch's JIT loader does: FileBaton, build if acquired, else wait and import."""
+
+    def __init__(self, lock: Path) -> None:
+        self.lock, self.builds = lock, 0
+
+    def load(self, verbose: bool = False) -> str:
+        from torch.utils.file_baton import FileBaton
+
+        baton = FileBaton(str(self.lock), wait_seconds=0.05)
+        if baton.try_acquire():
+            try:
+                self.builds += 1
+                (self.lock.parent / "op.so").write_text("built")
+            finally:
+                baton.release()
+        else:
+            baton.wait()
+        if not (self.lock.parent / "op.so").exists():
+            raise ImportError("op.so missing: the build this process waited on did not finish")
+        return "module"
+
+
+def _load_in_thread(builder: _FakeBuilder, said: list[str]) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+
+    def target() -> None:
+        try:
+            out.append(ops.load_op(ops.SHM_COMM, builder, said.append))
+        except BaseException as err:  # noqa: BLE001
+            out.append(err)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_waiter_recovers_when_the_builder_dies_mid_build(ext_dir: Path) -> None:
+    lock = ext_dir / ops.SHM_COMM / "lock"
+    lock.parent.mkdir()
+    holder = _Holder(lock)
+    said: list[str] = []
+    builder = _FakeBuilder(lock)
+    thread, out = _load_in_thread(builder, said)
+    time.sleep(1.5)
+    assert thread.is_alive() and lock.exists()  # waiting on a live build, not breaking it
+    holder.kill()
+    thread.join(20)
+    assert not thread.is_alive(), "load_op still waits on the dead build's lock"
+    assert out == ["module"] and builder.builds == 1, (out, said)
+    assert any("died" in s for s in said), said
+
+
+def test_waiter_waits_for_a_live_build_and_reports_it(ext_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ops._LockWatch, "__init__", _fast_report_init)
+    lock = ext_dir / ops.SHM_COMM / "lock"
+    lock.parent.mkdir()
+    holder = _Holder(lock, hold_s=3.0)
+    (lock.parent / "op.so").write_text("built by the holder")
+    said: list[str] = []
+    builder = _FakeBuilder(lock)
+    thread, out = _load_in_thread(builder, said)
+    rc, output = holder.finish()
+    thread.join(20)
+    assert rc == 0, output
+    assert out == ["module"] and builder.builds == 0, (out, said)
+    assert any("waiting" in s and f"pid {holder.proc.pid}" in s for s in said), said
+
+
+_original_watch_init = ops._LockWatch.__init__
+
+
+def _fast_report_init(self: Any, path: Path, say: Any, **kwargs: Any) -> None:
+    _original_watch_init(self, path, say, poll_s=0.1, first_report_s=0.5, report_s=0.5)
+
+
+# ------------------------------------------------------------------------------------- decisions
+def test_shm_mode_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ops.SHM_MODE_ENV, "yes")
+    with pytest.raises(ValueError, match="auto, on, off"):
+        ops.shm_mode()
+    monkeypatch.setenv(ops.SHM_MODE_ENV, " OFF ")
+    assert ops.shm_mode() == "off"
+
+
+def test_compiler_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert "no C++ compiler" in (ops.compiler_missing() or "")
+
+
+@pytest.fixture()
+def compatible_ops(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, bool]]:
+    import deepspeed.ops
+
+    table = deepspeed.ops.__compatible_ops__
+    monkeypatch.setitem(table, ops.SHM_COMM, True)
+    monkeypatch.setattr(ops, "_fallback_said", False)
+    yield table
+
+
+@pytest.mark.parametrize(
+    ("mode", "built", "local_size", "reason"),
+    [
+        ("off", True, "2", "=off"),
+        ("auto", False, "2", "not built"),
+        ("auto", True, None, "LOCAL_SIZE"),
+    ],
+)
+def test_fallback_is_decided_before_deepspeed_builds(
+    ext_dir: Path, compatible_ops: dict[str, bool], monkeypatch: pytest.MonkeyPatch,
+    mode: str, built: bool, local_size: str | None, reason: str,
+) -> None:
+    monkeypatch.setenv(ops.SHM_MODE_ENV, mode)
+    if local_size is None:
+        monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_SIZE", local_size)
+    if built:
+        (ext_dir / ops.SHM_COMM).mkdir()
+        (ext_dir / ops.SHM_COMM / f"{ops.SHM_COMM}.so").write_bytes(b"")
+    monkeypatch.setattr(ops, "load_op", lambda *a, **k: pytest.fail("must not load or build"))
+    result = ops.prepare_startup("cpu", {}, world_size=2, say=lambda s: None)
+    assert result.shm_comm == "fallback" and reason in result.reason, result
+    assert compatible_ops[ops.SHM_COMM] is False  # deepspeed's build_shm_op() now returns None
+
+
+def test_failed_build_falls_back(ext_dir: Path, compatible_ops: dict[str, bool], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ops.SHM_MODE_ENV, "on")
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("Error building extension 'deepspeed_shm_comm'")
+
+    monkeypatch.setattr(ops, "load_op", fail)
+    with pytest.warns(UserWarning, match="build failed"):
+        result = ops.prepare_startup("cpu", {}, world_size=2, say=lambda s: None)
+    assert result.shm_comm == "fallback" and compatible_ops[ops.SHM_COMM] is False
+
+
+def test_offload_without_buildable_cpu_adam_is_a_clear_error(ext_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ops.SHM_MODE_ENV, "off")
+    monkeypatch.setattr(ops, "installed_ops", lambda: {})
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("Error building extension 'cpu_adam'")
+
+    monkeypatch.setattr(ops, "load_op", fail)
+    config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    with pytest.raises(RuntimeError, match="ZeRO-Offload needs DeepSpeed's cpu_adam.*--build-ops"):
+        ops.prepare_startup("cpu", config, world_size=2, say=lambda s: None)
+
+
+# ------------------------------------------------------------------------------- real processes
+FALLBACK_ENV = {ops.SHM_MODE_ENV: "on", "CXX": "/bin/false"}
+
+
+@pytest.fixture(scope="session")
+def built_shm_ext(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Build the real op in a private dir after a build was killed mid-compile (the lock it left is cleared)."""
+    root = tmp_path_factory.mktemp("ext_built")
+    env = {"TORCH_EXTENSIONS_DIR": str(root)}
+    cmd = [sys.executable, "-m", "lightning_gaudi_ds.ops", "build", ops.SHM_COMM]
+    lock = root / ops.SHM_COMM / "lock"
+    from tests.procs import job_env
+
+    proc = subprocess.Popen(cmd, env=job_env(env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not lock.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert lock.exists(), "the build never took its lock"
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole build: python, ninja, c++
+    proc.wait()
+    time.sleep(0.5)
+    assert ops.inspect_lock(lock).state == "stale"
+    result = run_job(cmd, timeout=600, env=env).check()
+    assert "removed a stale" in result.output, result.output
+    assert (root / ops.SHM_COMM / f"{ops.SHM_COMM}.so").is_file()
+    return root
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_clear_a_stale_lock_and_train_with_the_op(built_shm_ext: Path, tmp_path: Path) -> None:
+    lock = _plant(built_shm_ext)
+    env = {"TORCH_EXTENSIONS_DIR": str(built_shm_ext), "LOCAL_SIZE": "2"}
+    result = run_job([sys.executable, str(JOBS / "train_job.py"), "--out", str(tmp_path), "--no-eval",
+                      "--max-steps", "2"], timeout=240, env=env).check()
+    assert "removed a stale DeepSpeed build lock" in result.output
+    assert result.output.count("deepspeed_shm_comm_op built successfully") == 2, result.output[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
+    assert not lock.exists()
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_with_a_stale_lock_and_no_compiler_train_on_gloo(ext_dir: Path, tmp_path: Path) -> None:
+    """DeepSpeed alone waits forever on this lock; here both ranks clear it, fail the build fast, fall back."""
+    _plant(ext_dir)
+    result = run_job([sys.executable, str(JOBS / "train_job.py"), "--out", str(tmp_path), "--no-eval",
+                      "--max-steps", "2"], timeout=240, env={"TORCH_EXTENSIONS_DIR": str(ext_dir), **FALLBACK_ENV})
+    result.check()
+    assert "removed a stale DeepSpeed build lock" in result.output
+    assert "built successfully" not in result.output
+    assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
+
+
+@pytest.mark.multiprocess
+def test_op_unavailable_falls_back_and_says_so_once(ext_dir: Path, tmp_path: Path) -> None:
+    result = run_job([sys.executable, str(JOBS / "train_job.py"), "--out", str(tmp_path), "--no-eval",
+                      "--max-steps", "2"], timeout=240, env={"TORCH_EXTENSIONS_DIR": str(ext_dir), **FALLBACK_ENV})
+    result.check()
+    assert result.output.count("shared-memory comm op is not used (its build failed") == 1, result.output[-3000:]
+    assert "built successfully" not in result.output
+    assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
