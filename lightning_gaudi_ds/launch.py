@@ -152,8 +152,8 @@ class DistributedRunner:
         use_mpi: launch with Open MPI's ``mpirun``.
         use_deepspeed: launch with DeepSpeed's launcher (``--no_local_rank``: scripts read ``LOCAL_RANK``).
             Neither: torchrun (``python -m torch.distributed.run``).
-        master_port: rendezvous port. When this runner tells every rank the port and it is taken here, a free
-            port is used instead (and printed).
+        master_port: rendezvous port; 0 picks a free one. When this runner tells every rank the port and it is
+            taken on this host, a free port is used instead (and printed).
         master_addr: rendezvous address; default 127.0.0.1, or the first host of the hostfile.
         node_rank: start only this node's ranks of a hostfile job (torchrun ``--node_rank``, DeepSpeed
             ``--no_ssh --node_rank``): run the same command on every node with its own node_rank.
@@ -184,8 +184,8 @@ class DistributedRunner:
             raise ValueError(f"world_size={world_size!r}: pass the number of ranks, a whole number >= 1.")
         if use_mpi and use_deepspeed:
             raise ValueError("use_mpi=True and use_deepspeed=True: pick one launcher (or neither for torchrun).")
-        if not (isinstance(master_port, int) and 0 < master_port < 65536):
-            raise ValueError(f"master_port={master_port!r}: pass a TCP port between 1 and 65535.")
+        if isinstance(master_port, bool) or not (isinstance(master_port, int) and 0 <= master_port < 65536):
+            raise ValueError(f"master_port={master_port!r}: pass a TCP port between 1 and 65535 (0: any free port).")
         self.use_mpi, self.use_deepspeed = use_mpi, use_deepspeed
         self.hostfile = Path(hostfile).resolve() if hostfile is not None else None
         self.hosts = parse_hostfile(self.hostfile) if self.hostfile is not None else None
@@ -314,6 +314,11 @@ class DistributedRunner:
     def _choose_port(self) -> int:
         if self.node_rank not in (None, 0):
             return self.master_port  # node 0 owns the rendezvous port
+        if self.master_port == 0:
+            if self.node_rank == 0:
+                raise ValueError("master_port=0 (any free port) with node_rank: every node must be told the same"
+                                 " port; pass one explicitly.")
+            return free_port()
         busy = port_in_use(self.master_port, "" if _is_local(self.master_addr) else self.master_addr)
         if not busy:
             return self.master_port
@@ -398,7 +403,9 @@ class DistributedRunner:
     def _stop(self, launcher: subprocess.Popen, token: str, clean_exit: bool) -> _Stopped:
         """End every process of the job: SIGTERM, then SIGKILL after ``stop_timeout`` s.
 
-        After a clean exit, leftovers first get ``stop_timeout`` s to finish on their own.
+        The ranks go first; the launcher gets a moment to notice and exit by itself (mpirun can crash when
+        signalled while its ranks exit) before it is signalled too. After a clean exit, leftovers first get
+        ``stop_timeout`` s to finish on their own.
         """
         if clean_exit:
             deadline = time.monotonic() + self.stop_timeout
@@ -407,8 +414,13 @@ class DistributedRunner:
         start = time.monotonic()
         procs = _job_processes(launcher, token)
         for p in procs:
-            _signal(p, signal.SIGTERM)
-        _, alive = psutil.wait_procs(procs, timeout=self.stop_timeout)
+            if p.pid != launcher.pid:
+                _signal(p, signal.SIGTERM)
+        _, alive = psutil.wait_procs(procs, timeout=min(2.0, self.stop_timeout))
+        for p in alive:
+            if p.pid == launcher.pid:
+                _signal(p, signal.SIGTERM)
+        _, alive = psutil.wait_procs(alive, timeout=max(0.0, self.stop_timeout - (time.monotonic() - start)))
         alive += [p for p in _job_processes(launcher, token) if p not in alive]  # started during the wait
         for p in alive:
             _signal(p, signal.SIGKILL)
@@ -612,7 +624,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node_rank", type=int, default=None,
                         help="with --hostfile: start only this node's ranks (run once per node)")
     parser.add_argument("--master_addr", default=None, help="rendezvous address (default 127.0.0.1 / first host)")
-    parser.add_argument("--master_port", type=int, default=29500, help="rendezvous port (default 29500)")
+    parser.add_argument("--master_port", type=int, default=29500, help="rendezvous port (default 29500; 0: any free)")
     parser.add_argument("--log_dir", default=None, help="keep per-rank logs here (default: a temporary directory)")
     parser.add_argument("--stop_timeout", type=float, default=10.0,
                         help="seconds between SIGTERM and SIGKILL when stopping ranks (default 10)")

@@ -11,10 +11,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = Path(__file__).resolve().parent / "jobs"
@@ -49,6 +51,8 @@ def job_env(extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
         MASTER_PORT=str(free_port()),
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
+        # With mpi4py installed, Lightning's MPI probe makes Open MPI start a daemon (in its own session) per rank.
+        OMPI_MCA_ess_singleton_isolated="1",
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
     )
     env.update(extra or {})
@@ -105,3 +109,104 @@ def run_train_job(out: Path, *job_args: str, timeout: float = 300, env: Optional
     files = sorted(out.glob("rank*.json"))
     assert files, f"no results written under {out}"
     return [json.loads(f.read_text()) for f in files]
+
+
+MARK_ENV = "LGDS_TEST_JOB"  # every process of a LiveJob inherits it: how tests find leftovers
+
+
+@dataclass
+class LiveJob:
+    """A job in its own session whose output lines are time-stamped as they arrive, so tests can act mid-run.
+
+    Every process it starts carries ``LGDS_TEST_JOB=<mark>`` in its environment (unless a launcher scrubs it),
+    which :meth:`leftovers` looks for in the process table.
+    """
+
+    args: Sequence[str]
+    env: Optional[Mapping[str, str]] = None
+    cwd: Optional[Path] = None
+    mark: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self.start = time.monotonic()
+        self.proc = subprocess.Popen(
+            list(self.args), cwd=str(self.cwd or REPO), env=job_env({**(self.env or {}), MARK_ENV: self.mark}),
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def wait_for(self, text: str, timeout: float = 300, count: int = 1) -> float:
+        """Time (monotonic) of the ``count``-th output line containing ``text``; fails on time-out or early exit."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            hits = [t for t, line in list(self.lines) if text in line]
+            if len(hits) >= count:
+                return hits[count - 1]
+            if self.proc.poll() is not None:
+                self._reader.join(timeout=5)
+                hits = [t for t, line in self.lines if text in line]
+                if len(hits) >= count:
+                    return hits[count - 1]
+                raise AssertionError(f"job exited (rc={self.proc.returncode}) before printing {text!r} x{count}:\n"
+                                     f"{self.output[-4000:]}")
+            time.sleep(0.1)
+        self.kill()
+        raise AssertionError(f"no {text!r} x{count} within {timeout:.0f}s; output tail:\n{self.output[-4000:]}")
+
+    def wait(self, timeout: float = 300) -> JobResult:
+        timed_out = False
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            self.kill()
+        self._reader.join(timeout=10)
+        return JobResult(self.proc.returncode, self.output, time.monotonic() - self.start, timed_out)
+
+    def send_signal(self, sig: int) -> None:
+        """Signal the job's own process (the launcher or runner), not its group."""
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        """SIGKILL the job's process group and every process carrying its mark (only those)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for p in self.leftovers():
+            try:
+                p.kill()
+            except Exception:
+                pass
+        self.proc.wait()
+
+    def leftovers(self, where: Optional[Callable[["psutil.Process"], bool]] = None) -> list:
+        """Live processes (not zombies) carrying this job's mark, optionally filtered."""
+        return processes_with_env(MARK_ENV, self.mark, where)
+
+
+def processes_with_env(key: str, value: str, where: Optional[Callable] = None) -> list:
+    import psutil
+
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid == os.getpid() or p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if p.environ().get(key) == value and (where is None or where(p)):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+    return found

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,25 @@ class EngineProbe(L.Callback):
         )
 
 
+class Fault(L.Callback):
+    """Launcher tests: rank ``rank`` (-1: every rank) raises, exits 3, kills itself or hangs at step ``step``."""
+
+    def __init__(self, rank: int, step: int, mode: str) -> None:
+        self.rank, self.step, self.mode = rank, step, mode
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.rank not in (-1, trainer.global_rank) or trainer.global_step != self.step:
+            return
+        print(f"rank {trainer.global_rank}: injecting fault {self.mode!r} at step {self.step}", flush=True)
+        if self.mode == "raise":
+            raise RuntimeError(f"injected fault on rank {trainer.global_rank}")
+        if self.mode == "exit":
+            os._exit(3)
+        if self.mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(3600)  # "hang": ignores the SIGTERM Lightning only notes; needs SIGKILL
+
+
 def make_data(n: int = 256, seed: int = 1234) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 32, generator=g)
@@ -119,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-steps", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--no-eval", action="store_true")
+    parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--fault", default=None, help="launcher tests: RANK:STEP:raise|exit|kill|hang")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -149,13 +172,17 @@ def main(argv: list[str] | None = None) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
-        callbacks=[EngineProbe()],
+        num_nodes=args.num_nodes,
+        callbacks=[EngineProbe()] + ([Fault(int(r), int(s), m) for r, s, m in [args.fault.split(":")]] if args.fault else []),
     )
     trainer.fit(model, train, val)
     result: dict[str, Any] = {
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,
         "strategy": type(trainer.strategy).__name__,
+        "cluster_environment": type(getattr(trainer.strategy, "cluster_environment", None)).__name__,
+        "node_rank": trainer.node_rank,
+        "local_rank": trainer.local_rank,
         "backend": getattr(trainer.strategy, "_process_group_backend", None),
         "precision": trainer.precision,
         "global_step": trainer.global_step,

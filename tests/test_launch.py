@@ -1,0 +1,349 @@
+"""Unit tests of the launcher: hostfile parsing, the commands each launcher gets, ports, the CLI, and how the
+strategy recognises externally launched processes. No process is started here."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
+
+from lightning_gaudi_ds import launch
+from lightning_gaudi_ds.environments import (
+    DeepSpeedLauncherEnvironment,
+    check_launcher_world_size,
+    resolve_environment,
+)
+from lightning_gaudi_ds.launch import DistributedRunner, HostfileError, parse_hostfile, parse_hostfile_text
+
+SHIM = str(Path(launch.__file__).resolve().with_name("_rank.py"))
+
+
+def write(tmp_path: Path, text: str, name: str = "hostfile") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# --------------------------------------------------------------------------------------------- hostfile
+def test_hostfile_comments_blank_lines_and_order() -> None:
+    hosts = parse_hostfile_text("# cluster\n\nworker-0 slots=8\n  worker-1   slots=4  \n#worker-2 slots=8\n")
+    assert [(h.name, h.slots, h.line) for h in hosts] == [("worker-0", 8, 3), ("worker-1", 4, 4)]
+
+
+def test_hostfile_agrees_with_deepspeeds_parser() -> None:
+    from deepspeed.launcher.runner import _parse_hostfile
+
+    text = "# c\nnode-a slots=2\n\nnode-b slots=3\n"
+    ours = {h.name: h.slots for h in parse_hostfile_text(text)}
+    assert ours == dict(_parse_hostfile(text.splitlines(keepends=True)))
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "words"),
+    [
+        ("a slots=1\nb\n", 2, ["'b'", "not a host entry", "hostname slots=N"]),
+        ("a slots=1\nb slots=2 extra\n", 2, ["not a host entry"]),
+        ("a slots=1\nb slots=x\n", 2, ["slots='x'", "whole number"]),
+        ("a slots=1\n\nb slots=0\n", 3, ["slots=0", "at least 1 slot"]),
+        ("a slots=1\nb slots=-2\n", 2, ["slots=-2", "at least 1 slot"]),
+        ("a slots=1\nb slots=1\na slots=2\n", 3, ["'a' is listed again (first on line 1)"]),
+        ("a gpus=1\n", 1, ["not a host entry"]),
+    ],
+)
+def test_hostfile_errors_name_the_line(text: str, line: int, words: list[str]) -> None:
+    with pytest.raises(HostfileError) as err:
+        parse_hostfile_text(text, source="hf")
+    message = str(err.value)
+    assert message.startswith(f"hf:{line}:"), message
+    for word in words:
+        assert word in message
+
+
+def test_hostfile_empty_or_missing(tmp_path: Path) -> None:
+    with pytest.raises(HostfileError, match="lists no hosts"):
+        parse_hostfile(write(tmp_path, "# nothing\n\n"))
+    with pytest.raises(HostfileError, match="cannot read hostfile .*nope"):
+        parse_hostfile(tmp_path / "nope")
+
+
+# ---------------------------------------------------------------------------------- command construction
+def test_world_size_one_is_plain_python() -> None:
+    runner = DistributedRunner(["train.py --lr 0.1"])
+    assert runner.launcher == "python"
+    assert runner.build_command(runner.commands[0]) == [sys.executable, "-u", SHIM, "train.py", "--lr", "0.1"]
+
+
+def test_commands_are_split_with_shlex_never_a_shell() -> None:
+    runner = DistributedRunner(["python train.py --name 'a b' 'x;rm -rf /' $HOME `id`"], world_size=2)
+    cmd = runner.build_command(runner.commands[0])
+    assert cmd[-6:] == ["train.py", "--name", "a b", "x;rm -rf /", "$HOME", "`id`"]  # literal, unexpanded
+    assert "python" not in cmd[cmd.index(SHIM) + 1:]  # the launcher supplies the interpreter
+
+
+def test_torchrun_command_parses_as_intended() -> None:
+    from torch.distributed.run import get_args_parser
+
+    runner = DistributedRunner(["train.py --devices 2"], world_size=2, master_port=29611, master_addr="10.0.0.5")
+    cmd = runner.build_command(runner.commands[0])
+    assert cmd[:4] == [sys.executable, "-u", "-m", "torch.distributed.run"]
+    args = get_args_parser().parse_args(cmd[4:])
+    assert (args.nproc_per_node, args.nnodes, args.node_rank) == ("2", "1", 0)
+    assert (args.master_addr, args.master_port, args.max_restarts) == ("10.0.0.5", 29611, 0)
+    assert args.training_script == SHIM and args.training_script_args == ["train.py", "--devices", "2"]
+
+
+def _deepspeed_args(cmd: list[str]):
+    from deepspeed.launcher.runner import parse_args
+
+    assert cmd[:4] == [sys.executable, "-u", "-m", "deepspeed.launcher.runner"]
+    return parse_args(cmd[4:])
+
+
+def test_deepspeed_single_node_command() -> None:
+    runner = DistributedRunner(["train.py --x 1"], world_size=4, use_deepspeed=True, master_port=29612)
+    args = _deepspeed_args(runner.build_command(runner.commands[0]))
+    assert args.no_local_rank and (args.num_gpus, args.num_nodes, args.master_port) == (4, 1, 29612)
+    assert args.hostfile == "/job/hostfile"  # DeepSpeed's default: absent, so it launches locally
+    assert args.user_script == SHIM and args.user_args == ["train.py", "--x", "1"]
+
+
+def test_deepspeed_multi_node_command_through_deepspeeds_pdsh_runner(tmp_path: Path) -> None:
+    """The command DeepSpeed's multi-node runner would run over pdsh/ssh (neither is usable on this machine)."""
+    from deepspeed.launcher.multinode_runner import PDSHRunner
+    from deepspeed.launcher.runner import encode_world_info, fetch_hostfile, parse_inclusion_exclusion
+
+    hostfile = write(tmp_path, "node-a slots=2\nnode-b slots=2\n")
+    runner = DistributedRunner(["train.py"], hostfile=hostfile, use_deepspeed=True, master_port=29613)
+    assert runner.world_size == 4 and runner.master_addr == "node-a"
+    cmd = runner.build_command(runner.commands[0])
+    args = _deepspeed_args(cmd)
+    assert args.hostfile == str(hostfile.resolve()) and args.master_addr == "node-a" and not args.no_ssh_check
+    active = parse_inclusion_exclusion(fetch_hostfile(args.hostfile), args.include, args.exclude)
+    pdsh_cmd, _, _ = PDSHRunner(args, encode_world_info(active)).get_cmd(dict(os.environ), active)
+    text = " ".join(pdsh_cmd)
+    assert pdsh_cmd[0] == "pdsh" and "-w node-a,node-b" in text
+    assert "deepspeed.launcher.launch" in text and "--node_rank=%n" in text and "--no_local_rank" in text
+    assert "--master_addr=node-a" in text and "--master_port=29613" in text
+    assert text.endswith(f"{SHIM} train.py")
+
+
+def test_deepspeed_single_host_hostfile_skips_ssh(tmp_path: Path) -> None:
+    runner = DistributedRunner(["t.py"], hostfile=write(tmp_path, "localhost slots=2\n"), use_deepspeed=True)
+    args = _deepspeed_args(runner.build_command(runner.commands[0]))
+    assert args.no_ssh_check and runner.world_size == 2 and runner.master_addr == "127.0.0.1"
+
+
+def test_node_rank_commands(tmp_path: Path) -> None:
+    from torch.distributed.run import get_args_parser
+
+    hostfile = write(tmp_path, "n0 slots=1\nn1 slots=1\n")
+    ds = DistributedRunner(["t.py"], hostfile=hostfile, node_rank=1, use_deepspeed=True, master_addr="127.0.0.1")
+    args = _deepspeed_args(ds.build_command(ds.commands[0]))
+    assert args.no_ssh and args.node_rank == 1 and args.master_addr == "127.0.0.1"
+    tr = DistributedRunner(["t.py"], hostfile=hostfile, node_rank=1, master_addr="127.0.0.1", master_port=29614)
+    targs = get_args_parser().parse_args(tr.build_command(tr.commands[0])[4:])
+    assert (targs.nnodes, targs.nproc_per_node, targs.node_rank, targs.master_port) == ("2", "1", 1, 29614)
+
+
+def test_mpirun_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = DistributedRunner(["t.py --a"], world_size=2, use_mpi=True)
+    cmd = runner.build_command(runner.commands[0])
+    assert Path(cmd[0]).name == "mpirun" and cmd[1:3] == ["-np", "2"]
+    assert ("--allow-run-as-root" in cmd) == (os.geteuid() == 0)
+    for key in ("MASTER_ADDR", "MASTER_PORT", "LIGHTNING_GAUDI_DS_RUN_DIR", "PYTHONPATH"):
+        assert cmd[cmd.index(key) - 1] == "-x"
+    assert cmd[-5:] == [sys.executable, "-u", SHIM, "t.py", "--a"]
+    env = runner._environment(tmp_path, "tok", 29615)
+    if os.geteuid() == 0:
+        assert env["OMPI_ALLOW_RUN_AS_ROOT"] == env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] == "1"
+    assert env["MASTER_PORT"] == "29615" and env["LIGHTNING_GAUDI_DS_RUN_ID"] == "tok"
+    multi = DistributedRunner(["t.py"], hostfile=write(tmp_path, "a slots=2\nb slots=2\n"), use_mpi=True)
+    cmd = multi.build_command(multi.commands[0])
+    assert cmd[1:3] == ["-np", "4"] and cmd[cmd.index("--hostfile") + 1].endswith("hostfile")
+    monkeypatch.setattr(launch.shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match="needs Open MPI's `mpirun` on PATH.*apt-get install openmpi-bin"):
+        runner.run()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"world_size": 0}, r"world_size=0: .*>= 1"),
+        ({"world_size": 2, "use_mpi": True, "use_deepspeed": True}, "pick one launcher"),
+        ({"master_port": 70000}, "master_port=70000"),
+        ({"node_rank": 0}, "node_rank=0 needs a hostfile"),
+        ({"hostfile": "HF", "world_size": 3, "use_deepspeed": True}, r"world_size=3 but hostfile .* has 4 slots"),
+        ({"hostfile": "HF"}, "torchrun starts the ranks of one node.*node_rank"),
+        ({"hostfile": "HF", "node_rank": 2}, r"node_rank=2: the hostfile lists 2 nodes; pass 0..1"),
+        ({"hostfile": "HF", "node_rank": 0, "use_mpi": True}, "mpirun starts every node itself"),
+    ],
+)
+def test_runner_argument_errors(tmp_path: Path, kwargs: dict, match: str) -> None:
+    if kwargs.get("hostfile") == "HF":
+        kwargs["hostfile"] = write(tmp_path, "a slots=2\nb slots=2\n")
+    with pytest.raises(ValueError, match=match):
+        DistributedRunner(["t.py"], **kwargs)
+
+
+def test_runner_command_errors() -> None:
+    with pytest.raises(ValueError, match="empty command"):
+        DistributedRunner(["  "])
+    with pytest.raises(TypeError, match="one string"):
+        DistributedRunner([["t.py", "--a"]])  # type: ignore[list-item]
+
+
+# --------------------------------------------------------------------------------------------------- ports
+def test_busy_port_is_replaced_by_a_free_one(capsys: pytest.CaptureFixture) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert launch.port_in_use(port) is True
+        runner = DistributedRunner(["t.py"], world_size=2, master_port=port)
+        chosen = runner._choose_port()
+        assert chosen != port and launch.port_in_use(chosen) is False
+        assert f"master port {port} is in use on this host; using free port {chosen}" in capsys.readouterr().err
+        assert DistributedRunner(["t.py"], master_port=0)._choose_port() > 0
+
+
+def test_busy_port_on_a_multi_node_master_is_an_error(tmp_path: Path) -> None:
+    hostfile = write(tmp_path, "n0 slots=1\nn1 slots=1\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        node0 = DistributedRunner(["t.py"], hostfile=hostfile, node_rank=0, master_addr="127.0.0.1", master_port=port)
+        with pytest.raises(RuntimeError, match=f"master_port={port} is already in use.*--master_port"):
+            node0._choose_port()
+        node1 = DistributedRunner(["t.py"], hostfile=hostfile, node_rank=1, master_addr="127.0.0.1", master_port=port)
+        assert node1._choose_port() == port  # node 0's agent holds it: that is expected
+
+
+def test_port_check_skips_addresses_of_other_hosts() -> None:
+    assert launch.port_in_use(29500, "192.0.2.1") is None  # TEST-NET-1: never an address of this host
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+def test_cli_spawn_arguments() -> None:
+    from lightning_gaudi_ds.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["spawn", "--world_size", "2", "--use_deepspeed", "--master_port", "1234", "train.py", "--world_size", "9",
+         "--lr", "0.1"]
+    )
+    assert (args.world_size, args.use_deepspeed, args.use_mpi, args.master_port) == (2, True, False, 1234)
+    assert args.training_script == "train.py" and args.training_script_args == ["--world_size", "9", "--lr", "0.1"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["spawn", "--use_mpi", "--use_deepspeed", "train.py"])
+
+
+def test_cli_reports_bad_hostfile(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from lightning_gaudi_ds.cli import main
+
+    hostfile = write(tmp_path, "a slots=1\na slots=1\n")
+    assert main(["spawn", "--use_deepspeed", "--hostfile", str(hostfile), "t.py"]) == 2
+    assert f"error: {hostfile}:2: 'a slots=1': host 'a' is listed again" in capsys.readouterr().err
+
+
+def test_distributed_runner_is_exported() -> None:
+    import lightning_gaudi_ds
+
+    assert lightning_gaudi_ds.DistributedRunner is DistributedRunner
+
+
+# ------------------------------------------------------------------------------ externally launched ranks
+LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "CROSS_RANK", "LOCAL_SIZE", "GROUP_RANK", "NODE_RANK",
+                 "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                 "PMI_SIZE", "PMIX_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def launcher_env(monkeypatch: pytest.MonkeyPatch):
+    """Set a launcher's variables for one test; put Lightning's rank-zero state back afterwards."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rz
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only as pl_rz
+
+    for key in LAUNCHER_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("OMPI_MCA_ess_singleton_isolated", "1")
+
+    def apply(**values: object) -> None:
+        for key, value in values.items():
+            monkeypatch.setenv(key, str(value))
+
+    yield apply
+    fabric_rz.rank = pl_rz.rank = 0
+
+
+def deepspeed_node(rank: int, local_rank: int, world: int, node: int, per_node: int) -> dict:
+    """What deepspeed.launcher.launch exports to a rank."""
+    return dict(RANK=rank, LOCAL_RANK=local_rank, WORLD_SIZE=world, CROSS_RANK=node, CROSS_SIZE=world // per_node,
+                LOCAL_SIZE=per_node, MASTER_ADDR="127.0.0.1", MASTER_PORT=29599)
+
+
+def make_trainer(devices: int, num_nodes: int = 1):
+    import lightning as L
+
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+
+    return L.Trainer(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=HPUDeepSpeedStrategy(stage=2),
+                     logger=False, enable_checkpointing=False, enable_progress_bar=False)
+
+
+def test_deepspeed_launcher_second_node_gets_its_own_ranks(launcher_env) -> None:
+    """Lightning's fallback environment would call this process global rank 0 (node rank 0): a duplicate rank."""
+    launcher_env(**deepspeed_node(rank=2, local_rank=0, world=4, node=1, per_node=2))
+    assert LightningEnvironment().node_rank() == 0  # the bug this guards against
+    trainer = make_trainer(devices=2, num_nodes=2)
+    env = trainer.strategy.cluster_environment
+    assert isinstance(env, DeepSpeedLauncherEnvironment) and env.creates_processes_externally
+    assert (trainer.global_rank, trainer.node_rank, trainer.local_rank, trainer.world_size) == (2, 1, 0, 4)
+
+
+def test_deepspeed_launcher_world_size_mismatch_is_reported_before_training(launcher_env) -> None:
+    launcher_env(**deepspeed_node(rank=0, local_rank=0, world=2, node=0, per_node=2))
+    with pytest.raises(ValueError) as err:
+        make_trainer(devices=1)
+    message = str(err.value)
+    assert "DeepSpeed's launcher started 2 processes in all" in message
+    assert "`Trainer(devices=1, num_nodes=1)` makes 1 × 1 = 1" in message and "Trainer(devices=2, num_nodes=1)" in message
+
+
+def test_torchrun_world_size_mismatch(launcher_env) -> None:
+    launcher_env(TORCHELASTIC_RUN_ID="x", RANK=0, LOCAL_RANK=0, GROUP_RANK=0, LOCAL_WORLD_SIZE=2, WORLD_SIZE=2,
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=29598)
+    assert isinstance(make_trainer(devices=2).strategy.cluster_environment, TorchElasticEnvironment)
+    with pytest.raises(ValueError, match=r"torchrun started 2 processes in all.*devices=4, num_nodes=1"):
+        make_trainer(devices=4)
+
+
+def test_processes_per_node_mismatch(launcher_env) -> None:
+    launcher_env(TORCHELASTIC_RUN_ID="x", RANK=0, LOCAL_RANK=0, GROUP_RANK=0, LOCAL_WORLD_SIZE=4, WORLD_SIZE=4)
+    with pytest.raises(ValueError, match=r"torchrun started 4 processes on this node \(LOCAL_WORLD_SIZE=4\)"):
+        make_trainer(devices=2, num_nodes=2)
+
+
+def test_mpirun_without_mpi4py_refuses_to_spawn(launcher_env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without mpi4py Lightning would not see MPI, and each of the N ranks would start N processes of its own."""
+    launcher_env(OMPI_COMM_WORLD_SIZE=2, OMPI_COMM_WORLD_RANK=0)
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # import fails
+    with pytest.raises(RuntimeError, match=r"started by mpirun \(world size 2.*mpi4py cannot be imported.*pip install"):
+        resolve_environment(LightningEnvironment())
+
+
+def test_unlaunched_and_user_environments_are_left_alone(launcher_env) -> None:
+    plain = LightningEnvironment()
+    assert resolve_environment(plain) is plain
+    check_launcher_world_size(plain, devices=2, num_nodes=1)  # Lightning will start the processes itself
+    launcher_env(**deepspeed_node(rank=0, local_rank=0, world=2, node=0, per_node=2))
+
+    class Mine(LightningEnvironment):
+        pass
+
+    mine = Mine()
+    assert resolve_environment(mine) is mine
