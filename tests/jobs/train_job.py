@@ -27,7 +27,7 @@ HIDDEN = 512  # 512*512 = 262k elements per layer: above ZeRO-3's persistence th
 
 
 class RegressionModel(L.LightningModule):
-    def __init__(self, lr: float = 0.05, optimizer: str = "sgd") -> None:
+    def __init__(self, lr: float | None = None, optimizer: str = "sgd") -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = nn.Sequential(
@@ -59,8 +59,8 @@ class RegressionModel(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         if self.hparams.optimizer == "adamw":
-            return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+            return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr or 3e-3)
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr or 0.05, momentum=0.9)
 
 
 class EngineProbe(L.Callback):
