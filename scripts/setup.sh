@@ -9,7 +9,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
-python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+# pip's own failures stop the script (pipefail); only this machine's harmless index-location warnings are hidden.
+pipq() { python -m pip install -q "$@" 2>&1 | { grep -v '^WARNING: Location' || true; }; }
+pipq --upgrade pip
 # Pin torch here only (a CPU build); the package's own range stays loose for Habana's and CUDA torch.
-python -m pip install -q "torch==2.13.0" 2>&1 | grep -v '^WARNING: Location' || true
-python -m pip install -q -e ".[test]" 2>&1 | grep -v '^WARNING: Location' || true
+pipq "torch==2.13.0"
+pipq -e ".[test]"
