@@ -1,0 +1,142 @@
+"""The benchmark's model, data and DeepSpeed settings: one place, so every arm trains the same thing.
+
+The model is a stack of ``layers`` square ``Linear(hidden, hidden)`` layers (Ψ = layers·(hidden² + hidden)),
+built in ``configure_model`` so that ZeRO-3 creates it already partitioned (``deepspeed.zero.Init``), as a
+user with a large model would. Every weight (hidden² elements) is above the ZeRO-3 persistence threshold
+set below (10·hidden), so ZeRO-3 partitions all of them; only the biases stay whole on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+SEED = 1234
+LR = 1e-4
+WEIGHT_DECAY = 0.01
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    hidden: int
+    layers: int
+
+    @property
+    def params(self) -> int:
+        return self.layers * (self.hidden * self.hidden + self.hidden)
+
+    @property
+    def name(self) -> str:
+        return f"h{self.hidden}xl{self.layers}"
+
+
+def build_net(size: ModelSize) -> nn.Sequential:
+    """Linear/Tanh stack; Tanh keeps activations bounded in bf16."""
+    mods: list[nn.Module] = []
+    for i in range(size.layers):
+        mods.append(nn.Linear(size.hidden, size.hidden))
+        if i < size.layers - 1:
+            mods.append(nn.Tanh())
+    return nn.Sequential(*mods)
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out.float(), y.float())
+
+
+class BenchModule(L.LightningModule):
+    """The LightningModule every Trainer arm trains."""
+
+    def __init__(self, size: ModelSize) -> None:
+        super().__init__()
+        self.size = size
+        self.net: Optional[nn.Sequential] = None
+
+    def configure_model(self) -> None:
+        if self.net is None:  # idempotent: Lightning may call it more than once
+            torch.manual_seed(SEED)
+            self.net = build_net(self.size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.net is not None
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return loss_fn(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        # with ZeRO-Offload the strategy swaps this for DeepSpeed's CPU Adam (same update rule)
+        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def make_dataset(size: ModelSize, samples: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(SEED)
+    x = torch.randn(samples, size.hidden, generator=g)
+    y = torch.tanh(torch.randn(samples, size.hidden, generator=g))
+    return TensorDataset(x, y)
+
+
+def make_loader(dataset: TensorDataset, batch_size: int) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=True)
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """The DeepSpeed settings of every ZeRO arm, recorded with the results.
+
+    Bucket sizes follow the Hugging Face rule (reduce/allgather bucket = hidden², ZeRO-3 prefetch =
+    0.9·hidden², persistence threshold = 10·hidden) instead of Lightning's 2e8-element defaults, which
+    allocate ~400 MB per bucket whatever the model's size (see DESIGN.md section 5).
+    """
+
+    reduce_bucket_size: int
+    allgather_bucket_size: int
+    stage3_prefetch_bucket_size: int
+    stage3_param_persistence_threshold: int
+    overlap_comm: bool = False  # no streams on CPU: nothing to overlap with
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+
+    @classmethod
+    def for_hidden(cls, hidden: int) -> "ZeroSettings":
+        return cls(
+            reduce_bucket_size=hidden * hidden,
+            allgather_bucket_size=hidden * hidden,
+            stage3_prefetch_bucket_size=int(0.9 * hidden * hidden),
+            stage3_param_persistence_threshold=10 * hidden,
+        )
+
+
+def deepspeed_config(
+    stage: int,
+    settings: ZeroSettings,
+    offload_optimizer: bool = False,
+    offload_parameters: bool = False,
+    multi_rank_bucket_allreduce: bool = True,
+) -> dict[str, Any]:
+    """A DeepSpeed config dict; the strategy adds precision, accumulation and clipping."""
+    s = asdict(settings)
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "overlap_comm": s["overlap_comm"],
+        "contiguous_gradients": s["contiguous_gradients"],
+        "reduce_scatter": s["reduce_scatter"],
+        "reduce_bucket_size": s["reduce_bucket_size"],
+        "allgather_bucket_size": s["allgather_bucket_size"],
+    }
+    if stage == 3:
+        zero["stage3_prefetch_bucket_size"] = s["stage3_prefetch_bucket_size"]
+        zero["stage3_param_persistence_threshold"] = s["stage3_param_persistence_threshold"]
+    if not multi_rank_bucket_allreduce:
+        zero["use_multi_rank_bucket_allreduce"] = False
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    if offload_parameters:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    return {"zero_optimization": zero, "zero_allow_untested_optimizer": True}

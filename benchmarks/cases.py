@@ -1,0 +1,68 @@
+"""What one benchmark case is: an arm (DDP or a ZeRO stage), a model size, a precision, a kind of run."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+@dataclass(frozen=True)
+class Arm:
+    stage: int | None  # None: Lightning's DDPStrategy
+    offload_optimizer: bool = False
+    offload_parameters: bool = False
+    # DeepSpeed's default for ZeRO-1/2: all-reduce each gradient bucket (False: reduce to the owning rank)
+    multi_rank_bucket_allreduce: bool = True
+    label: str = ""
+
+
+ARMS: dict[str, Arm] = {
+    "ddp": Arm(None, label="Lightning DDP"),
+    "z0": Arm(0, label="ZeRO-0"),
+    "z1": Arm(1, label="ZeRO-1"),
+    "z2": Arm(2, label="ZeRO-2"),
+    "z3": Arm(3, label="ZeRO-3"),
+    "z2_offload": Arm(2, offload_optimizer=True, label="ZeRO-2 + offload optimizer"),
+    "z3_offload": Arm(3, offload_optimizer=True, offload_parameters=True, label="ZeRO-3 + offload optimizer & params"),
+    "z1_reduce": Arm(1, multi_rank_bucket_allreduce=False, label="ZeRO-1, reduce to owner"),
+    "z2_reduce": Arm(2, multi_rank_bucket_allreduce=False, label="ZeRO-2, reduce to owner"),
+}
+
+
+@dataclass
+class Case:
+    id: str
+    kind: str  # "memory" (tensor census, RSS, collective bytes) | "speed" (Trainer vs raw loop, paired steps)
+    arm: str
+    hidden: int
+    layers: int
+    precision: str = "bf16-mixed"
+    batch_size: int = 16
+    steps: int = 3  # memory: steps run (census on step `census_step`); speed: warm-up + measured + 1
+    warmup: int = 0
+    census_step: int = 1
+    round: int = 0
+    timeout: float = 300.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def spec(self) -> Arm:
+        return ARMS[self.arm]
+
+    @property
+    def stage(self) -> int | None:
+        return self.spec.stage
+
+    @property
+    def offload_optimizer(self) -> bool:
+        return self.spec.offload_optimizer
+
+    @property
+    def offload_parameters(self) -> bool:
+        return self.spec.offload_parameters
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Case":
+        return cls(**d)

@@ -1,0 +1,150 @@
+"""Run every benchmark of issue 7 in one job and write JSON lines, a markdown table and PNG charts.
+
+    python benchmarks/run_all.py            # full run (~10-20 min on 2 CPU cores), results in benchmarks/results/
+    python benchmarks/run_all.py --quick    # small models, few steps (development), benchmarks/results/quick/
+
+Two ranks on gloo, one torch thread each. Every case runs in fresh forked processes (see worker.py); the
+speed cases pair each Trainer step with a step of the same training written by hand, and rotate the arms'
+order from round to round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from cases import Case  # noqa: E402
+from launch import run_one, run_ranks  # noqa: E402
+
+WORLD = 2
+SPEED_ARMS = ("ddp", "z0", "z1", "z2", "z3")
+SWEEP_ARMS = ("ddp", "z0", "z1", "z2", "z3")
+EXTRA_ARMS = ("z2_offload", "z3_offload", "z1_reduce", "z2_reduce")  # main size only
+FP32_ARMS = ("ddp", "z0", "z1", "z2", "z3", "z2_offload", "z3_offload")
+
+
+@dataclass
+class Settings:
+    hidden: int
+    layers: tuple[int, ...]  # the RSS sweep; the census model is main_layers
+    main_layers: int
+    batch_size: int
+    memory_steps: int
+    speed_rounds: int
+    speed_warmup: int
+    speed_measured: int
+    offload: bool
+    fp32: bool
+    speed: bool
+    memory: bool
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "Settings":
+        if args.quick:
+            base = dict(hidden=512, layers=(2, 4, 6, 8), main_layers=4, batch_size=16, memory_steps=3,
+                        speed_rounds=1, speed_warmup=1, speed_measured=3)
+        else:  # Ψ = 12.6M, 25.2M, 37.8M, 50.4M; census at 25.2M
+            base = dict(hidden=1024, layers=(12, 24, 36, 48), main_layers=24, batch_size=16, memory_steps=3,
+                        speed_rounds=3, speed_warmup=3, speed_measured=8)
+        for key in ("hidden", "batch_size", "speed_rounds", "speed_warmup", "speed_measured"):
+            if getattr(args, key) is not None:
+                base[key] = getattr(args, key)
+        if args.layers:
+            base["layers"] = tuple(args.layers)
+            base["main_layers"] = args.layers[len(args.layers) // 2 - 1] if len(args.layers) > 1 else args.layers[0]
+        only = set(args.only or ("memory", "speed"))
+        return cls(**base, offload=not args.no_offload and not args.quick or args.offload,
+                   fp32=not args.quick or args.fp32, speed="speed" in only, memory="memory" in only)
+
+
+def plan(s: Settings) -> list[Case]:
+    cases: list[Case] = []
+    if s.memory:
+        for layers in s.layers:
+            for arm in SWEEP_ARMS:
+                cases.append(Case(id=f"mem_bf16_{arm}_l{layers}", kind="memory", arm=arm, hidden=s.hidden,
+                                  layers=layers, batch_size=s.batch_size, steps=s.memory_steps,
+                                  extra={"gc_check": layers == s.main_layers}))
+        extras = [a for a in EXTRA_ARMS if s.offload or "offload" not in a]
+        for arm in extras:
+            cases.append(Case(id=f"mem_bf16_{arm}_l{s.main_layers}", kind="memory", arm=arm, hidden=s.hidden,
+                              layers=s.main_layers, batch_size=s.batch_size, steps=s.memory_steps,
+                              extra={"gc_check": True}))
+        if s.fp32:
+            for arm in FP32_ARMS:
+                if "offload" in arm and not s.offload:
+                    continue
+                cases.append(Case(id=f"mem_fp32_{arm}_l{s.main_layers}", kind="memory", arm=arm, hidden=s.hidden,
+                                  layers=s.main_layers, precision="32-true", batch_size=s.batch_size,
+                                  steps=s.memory_steps, extra={"gc_check": True}))
+    if s.speed:
+        for r in range(s.speed_rounds):
+            k = r % len(SPEED_ARMS)
+            for arm in SPEED_ARMS[k:] + SPEED_ARMS[:k]:  # rotate the order each round
+                cases.append(Case(id=f"speed_r{r}_{arm}", kind="speed", arm=arm, hidden=s.hidden,
+                                  layers=s.main_layers, batch_size=s.batch_size,
+                                  steps=s.speed_warmup + s.speed_measured + 1, warmup=s.speed_warmup, round=r))
+    return cases
+
+
+def prebuild_cpu_adam(log_dir: Path) -> dict[str, Any]:
+    """ZeRO-Offload's DeepSpeedCPUAdam is JIT-built on first use (~100 s): build it before anything is timed."""
+    res = run_one([sys.executable, "-m", "lightning_gaudi_ds.ops", "build", "cpu_adam"], log_dir / "build_cpu_adam.log",
+                  timeout=900)
+    return {"ok": res.ok, "seconds": round(res.seconds, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small models and few steps (development, tests)")
+    parser.add_argument("--only", nargs="+", choices=("memory", "speed"), help="run only these benchmarks")
+    parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results[/quick])")
+    parser.add_argument("--hidden", type=int)
+    parser.add_argument("--layers", type=int, nargs="+", help="model sizes of the RSS sweep (layers of hidden²)")
+    parser.add_argument("--batch-size", dest="batch_size", type=int)
+    parser.add_argument("--speed-rounds", dest="speed_rounds", type=int)
+    parser.add_argument("--speed-warmup", dest="speed_warmup", type=int)
+    parser.add_argument("--speed-measured", dest="speed_measured", type=int)
+    parser.add_argument("--offload", action="store_true", help="include ZeRO-Offload arms in --quick")
+    parser.add_argument("--no-offload", dest="no_offload", action="store_true")
+    parser.add_argument("--fp32", action="store_true", help="include the fp32 census in --quick")
+    parser.add_argument("--timeout", type=float, default=3600, help="time-out of the whole job (s)")
+    parser.add_argument("--no-readme", dest="no_readme", action="store_true", help="do not update benchmarks/README.md")
+    args = parser.parse_args(argv)
+
+    settings = Settings.from_args(args)
+    out: Path = args.out or (HERE / "results" / ("quick" if args.quick else ""))
+    raw = out / "raw"
+    if raw.exists():
+        shutil.rmtree(raw)
+    (raw / "cases").mkdir(parents=True)
+    (raw / "rdv").mkdir()
+    cases = plan(settings)
+    (raw / "plan.json").write_text(json.dumps({"cases": [c.to_json() for c in cases]}, indent=1))
+    started = time.time()
+    build = prebuild_cpu_adam(raw) if settings.offload else None
+    print(f"running {len(cases)} cases on {WORLD} ranks; logs in {raw}", flush=True)
+    job = run_ranks([sys.executable, str(HERE / "worker.py"), "--plan", str(raw / "plan.json"), "--out",
+                     str(raw / "cases")], WORLD, raw, args.timeout,
+                    {"BENCH_RDV_DIR": str(raw / "rdv"), "BENCH_ROOT_DIR": str(raw / "root")})
+    elapsed = time.time() - started
+    print(f"job {'ok' if job.ok else 'FAILED'} in {elapsed:.0f}s", flush=True)
+
+    from report import write_report
+
+    failed = write_report(out, cases, settings.__dict__, WORLD, elapsed, build, args.quick,
+                          update_readme=not args.quick and not args.no_readme and args.out is None)
+    return 0 if job.ok and not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
