@@ -530,6 +530,24 @@ def hidden_size(module: Any) -> Optional[int]:
     return best[1] if best else None
 
 
+def bucket_hints(config: Mapping[str, Any], hidden: Optional[int]) -> list[str]:
+    """One line per bucket size a user config leaves to DeepSpeed's default when the model wants far less."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    zero = config.get(ZERO)
+    if not hidden or not isinstance(zero, dict) or zero.get("stage", 0) in (0, AUTO):
+        return []
+    names = ("reduce_bucket_size", "stage3_prefetch_bucket_size" if zero["stage"] == 3 else "allgather_bucket_size")
+    fields = {info.alias or name: info.default for name, info in DeepSpeedZeroConfig.model_fields.items()}
+    wanted = bucket_sizes(hidden)
+    return [
+        f'{ZERO}.{name} is left to DeepSpeed\'s default of {int(fields[name]):,} elements; "auto" would size it from'
+        f" the model (hidden size {hidden}): {wanted[f'{ZERO}.{name}']:,}"
+        for name in names
+        if name not in zero and isinstance(fields.get(name), (int, float)) and fields[name] > 10 * wanted[f"{ZERO}.{name}"]
+    ]
+
+
 def mark_model_buckets(config: Mapping[str, Any], explicit_args: Mapping[str, Any]) -> dict[str, Any]:
     """For Lightning's default config (no user config): bucket keys set to ``"auto"`` unless passed explicitly.
 

@@ -392,7 +392,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         resolved = dsc.resolve_config(raw, ctx, source or "built from HPUDeepSpeedStrategy's arguments")
         self.config = resolved.config
         if fitting:
-            self._publish_config(resolved, trainer)
+            hints = dsc.bucket_hints(raw, hidden) if source is not None else []
+            self._publish_config(resolved, trainer, hints)
 
     @staticmethod
     def _train_loader_batch_size(trainer: "pl.Trainer") -> Optional[int]:  # noqa: F821
@@ -409,7 +410,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             sizes.add(size if isinstance(size, int) else None)
         return sizes.pop() if len(sizes) == 1 else None
 
-    def _publish_config(self, resolved: Any, trainer: "pl.Trainer") -> None:  # noqa: F821
+    def _publish_config(self, resolved: Any, trainer: "pl.Trainer", hints: list[str]) -> None:  # noqa: F821
         """Log the resolved config once (rank 0) and write it next to the run's logs, to reproduce the run."""
         import json
         from pathlib import Path
@@ -425,6 +426,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         path.write_text(text + "\n")
         filled = "".join(f"\n  {line}" for line in resolved.filled)
         rank_zero_info(f"DeepSpeed config resolved (written to {path}); filled:{filled or ' nothing'}\n{text}")
+        for hint in hints:
+            rank_zero_info(hint)
 
     @override
     def _initialize_deepspeed_train(self, model: Module) -> None:

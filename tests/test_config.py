@@ -394,6 +394,21 @@ class TestModelSizes:
         module.weight.data = torch.empty(0)
         assert dsc.hidden_size(module) == 32
 
+    def test_bucket_hints_for_configs_that_leave_buckets_out(self) -> None:
+        hints = dsc.bucket_hints(SEED, 64)  # the seed sets no bucket size: DeepSpeed's 5e8 applies
+        assert hints == [
+            "zero_optimization.reduce_bucket_size is left to DeepSpeed's default of 500,000,000 elements; \"auto\""
+            " would size it from the model (hidden size 64): 4,096",
+            "zero_optimization.allgather_bucket_size is left to DeepSpeed's default of 500,000,000 elements; \"auto\""
+            " would size it from the model (hidden size 64): 4,096",
+        ]
+        assert dsc.bucket_hints({"zero_optimization": {"stage": 3, "reduce_bucket_size": 5}}, 64) == [
+            "zero_optimization.stage3_prefetch_bucket_size is left to DeepSpeed's default of 50,000,000 elements;"
+            ' "auto" would size it from the model (hidden size 64): 3,686'
+        ]
+        assert dsc.bucket_hints(SEED, 32768) == []  # a model that large wants buckets of that order anyway
+        assert dsc.bucket_hints(SEED, None) == [] and dsc.bucket_hints({"zero_optimization": {"stage": 0}}, 64) == []
+
     def test_mark_model_buckets(self) -> None:
         default = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 2e8, "allgather_bucket_size": 2e8}}
         assert dsc.mark_model_buckets(default, {})["zero_optimization"] == {
