@@ -353,6 +353,7 @@ def load_op(name: str, builder: Any, say: Callable[[str], None] = _say) -> Any:
         except Exception:
             if watch.cleared.is_set() and attempt == 0:
                 say(f"retrying the build of {name} after clearing the dead build's lock")
+                _forget_jit_version(name)
                 continue
             raise
         finally:
@@ -361,6 +362,16 @@ def load_op(name: str, builder: Any, say: Callable[[str], None] = _say) -> Any:
             if watch.error is not None and isinstance(watch.error, BuildLockError):
                 raise watch.error
     raise AssertionError("unreachable")
+
+
+def _forget_jit_version(name: str) -> None:
+    """Make torch's JIT loader build ``name`` again in this process (it skips names it has seen once)."""
+    try:
+        from torch.utils.cpp_extension import JIT_EXTENSION_VERSIONER
+
+        JIT_EXTENSION_VERSIONER.entries.pop(name, None)
+    except (ImportError, AttributeError):
+        pass
 
 
 def compiler_missing() -> Optional[str]:

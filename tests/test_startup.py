@@ -5,6 +5,7 @@ Every test uses a private TORCH_EXTENSIONS_DIR: a lock planted in the shared cac
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -161,19 +162,26 @@ def test_concurrent_clearers_remove_only_the_stale_lock(ext_dir: Path) -> None:
 
 # ------------------------------------------------------------------------- loading with a watched lock
 class _FakeBuilder:
-    """Loads the way torch's JIT loader does: FileBaton, build if acquired, else wait and import."""
+    """Loads the way torch's ``_jit_compile`` does: its versioner (a name seen once in this process is not
+    built again), FileBaton, build if acquired, else wait; then import."""
 
     def __init__(self, lock: Path) -> None:
         self.lock, self.builds = lock, 0
 
     def load(self, verbose: bool = False) -> str:
+        from torch.utils.cpp_extension import JIT_EXTENSION_VERSIONER as versioner
         from torch.utils.file_baton import FileBaton
 
+        old = versioner.get_version(ops.SHM_COMM)
+        version = versioner.bump_version_if_changed(
+            ops.SHM_COMM, [], build_arguments=[[]], build_directory=str(self.lock.parent), with_cuda=False,
+            with_sycl=False, is_python_module=True, is_standalone=False)
         baton = FileBaton(str(self.lock), wait_seconds=0.05)
         if baton.try_acquire():
             try:
-                self.builds += 1
-                (self.lock.parent / "op.so").write_text("built")
+                if version != old:
+                    self.builds += 1
+                    (self.lock.parent / "op.so").write_text("built")
             finally:
                 baton.release()
         else:
@@ -181,6 +189,15 @@ class _FakeBuilder:
         if not (self.lock.parent / "op.so").exists():
             raise ImportError("op.so missing: the build this process waited on did not finish")
         return "module"
+
+
+@pytest.fixture(autouse=True)
+def _forget_fake_op() -> Iterator[None]:
+    from torch.utils.cpp_extension import JIT_EXTENSION_VERSIONER
+
+    JIT_EXTENSION_VERSIONER.entries.pop(ops.SHM_COMM, None)
+    yield
+    JIT_EXTENSION_VERSIONER.entries.pop(ops.SHM_COMM, None)
 
 
 def _load_in_thread(builder: _FakeBuilder, said: list[str]) -> tuple[threading.Thread, list[Any]]:
@@ -330,11 +347,19 @@ def built_shm_ext(tmp_path_factory: pytest.TempPathFactory) -> Path:
     while not lock.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.1)
     assert lock.exists(), "the build never took its lock"
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole build: python, ninja, c++
+    time.sleep(2.0)  # let ninja start its compiles
+    os.killpg(proc.pid, signal.SIGKILL)  # python and ninja; ninja's compiles run in their own process groups
     proc.wait()
-    time.sleep(0.5)
+    info = ops.inspect_lock(lock)
+    assert info.exists and not info.holders, info  # stale, or live only through orphaned compiles
+    for pid in info.builders:  # ours (the killed build's compiles): end them rather than wait minutes
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while ops.inspect_lock(lock).state != "stale" and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert ops.inspect_lock(lock).state == "stale"
-    result = run_job(cmd, timeout=600, env=env).check()
+    result = run_job(cmd, timeout=900, env=env).check()
     assert "removed a stale" in result.output, result.output
     assert (root / ops.SHM_COMM / f"{ops.SHM_COMM}.so").is_file()
     return root
