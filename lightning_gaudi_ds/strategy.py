@@ -361,12 +361,13 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         if self._raw_config is None:
             self._raw_config = copy.deepcopy(self.config)
         raw, source = self._raw_config, self._config_source
+        explicit = getattr(self, "_explicit_args", {})  # set by the __init__ wrapper; a subclass may bypass it
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         hidden = dsc.hidden_size(module) if module is not None else None
         if source is None and hidden:  # no user config: size the buckets from the model, not Lightning's 2e8
-            raw = dsc.mark_model_buckets(raw, self._explicit_args)
+            raw = dsc.mark_model_buckets(raw, explicit)
         raw = copy.deepcopy(raw)  # Lightning's fp16 block (loss-scale arguments) where the config has none
         _format_precision_config(
             raw, self.precision_plugin.precision, self.loss_scale, self.loss_scale_window, self.min_loss_scale,
@@ -386,7 +387,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             hparams=dict(getattr(module, "hparams", None) or {}),
             total_steps=total,
             hidden_size=hidden,
-            strategy_args=self._explicit_args if source is not None else {},
+            strategy_args=explicit if source is not None else {},
             fitting=fitting,
         )
         resolved = dsc.resolve_config(raw, ctx, source or "built from HPUDeepSpeedStrategy's arguments")
