@@ -15,3 +15,10 @@ pipq --upgrade pip
 # Pin torch here only (a CPU build); the package's own range stays loose for Habana's and CUDA torch.
 pipq "torch==2.13.0"
 pipq -e ".[test]"
+# DeepSpeed's C++ ops that it would otherwise JIT-compile on first use (the CPU shm comm op, cpu_adam for
+# ZeRO-Offload), built now so a first training run starts as fast as later ones; a no-op once built.
+# Without a compiler training still works (plain torch.distributed collectives). Skip: LIGHTNING_GAUDI_DS_SKIP_OP_BUILD=1
+if [ "${LIGHTNING_GAUDI_DS_SKIP_OP_BUILD:-0}" != "1" ]; then
+  python -m lightning_gaudi_ds.ops build \
+    || echo "setup.sh: DeepSpeed ops not built (see above): training falls back to torch.distributed collectives; ZeRO-Offload needs cpu_adam" >&2
+fi
