@@ -397,3 +397,26 @@ def test_op_unavailable_falls_back_and_says_so_once(ext_dir: Path, tmp_path: Pat
     assert result.output.count("shared-memory comm op is not used (its build failed") == 1, result.output[-3000:]
     assert "built successfully" not in result.output
     assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
+
+
+# ------------------------------------------------------------------------------------------ report
+def test_env_report_names_ops_and_a_stale_lock(ext_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_gaudi_ds import report
+
+    lock = _plant(ext_dir)
+    (ext_dir / ops.CPU_ADAM).mkdir()
+    (ext_dir / ops.CPU_ADAM / f"{ops.CPU_ADAM}.so").write_bytes(b"")
+    info = report.collect()
+    assert info["device"] == "cpu" and info["backend"] == "gloo"
+    assert {"torch", "lightning", "deepspeed", "habana_frameworks"} <= set(info["versions"])
+    assert info["ops"][ops.SHM_COMM]["state"] == "not built"
+    assert info["ops"][ops.CPU_ADAM] == {"state": "built", "path": str(ext_dir / ops.CPU_ADAM / "cpu_adam.so"),
+                                         "purpose": ops.OPS[ops.CPU_ADAM].purpose}
+    text = report.render(info)
+    assert f"STALE   {lock}" in text and ops.FIX_COMMAND in text and ops.BUILD_COMMAND in text
+
+    parser = __import__("argparse").ArgumentParser()
+    report.add_arguments(parser)
+    assert report.run(parser.parse_args(["--clear-stale-locks"])) == 0
+    assert not lock.exists()
+    assert "removed a stale" in capsys.readouterr().out
