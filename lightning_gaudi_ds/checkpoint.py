@@ -175,7 +175,8 @@ def validate_checkpoint(
             ) from None
         missing = _missing_shards(path, tag)
         if missing or incomplete:
-            raise _incomplete(path, [*missing, *([MANIFEST] if incomplete else [])], f"ZeRO stage {stage}, {world_size} ranks")
+            what = f"ZeRO stage {stage}, {world_size} ranks"
+            raise _incomplete(path, [*missing, *([MANIFEST] if incomplete else [])], what)
         files = {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()}
         info = CheckpointInfo(path, tag, stage, world_size, files, False)
     if zero_stage is not None and info.zero_stage != zero_stage:
@@ -336,14 +337,31 @@ def _versions() -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------- world-size changes
-def universal_checkpoint(info: CheckpointInfo, is_global_zero: bool, barrier: Callable[[str], None]) -> Path:
+def on_rank_zero(strategy: Any, what: str, fn: Callable[[], None]) -> None:
+    """Run ``fn`` on global rank 0 only. If it fails, every rank raises (rather than wait in a barrier forever)."""
+    failure: Optional[BaseException] = None
+    if strategy.is_global_zero:
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001  (re-raised below, on every rank)
+            failure = err
+    message = strategy.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    if message is not None:
+        raise CheckpointError(f"{what} failed on rank 0: {message}")
+
+
+def universal_checkpoint(info: CheckpointInfo, strategy: Any) -> Path:
     """DeepSpeed universal form of ``info`` (made once, by rank 0, into ``<checkpoint>/universal``).
 
     Loadable on any number of ranks with the ``load_universal_checkpoint`` engine option; returns its root.
     """
     root = info.path / UNIVERSAL
-    done = root / "latest_universal"
-    if is_global_zero and not done.is_file():
+
+    def convert() -> None:
+        if (root / "latest_universal").is_file():
+            return
         from deepspeed.checkpoint import ds_to_universal
 
         work = root.with_name(UNIVERSAL + PARTIAL)
@@ -356,9 +374,8 @@ def universal_checkpoint(info: CheckpointInfo, is_global_zero: bool, barrier: Ca
         ds_to_universal.main(args)
         _rmtree(root)
         os.replace(work, root)
-    barrier("lightning_gaudi_ds.universal_checkpoint")
-    if not done.is_file():
-        raise IncompleteCheckpointError(f"Universal conversion of {info.path} did not produce {done}.")
+
+    on_rank_zero(strategy, f"Converting {info.path} to a DeepSpeed universal checkpoint", convert)
     return root
 
 
@@ -378,7 +395,7 @@ def load_resharded(strategy: Any, info: CheckpointInfo) -> dict[str, Any]:
         " resharding it."
     )
     if module.trainer.state.fn == TrainerFn.FITTING and getattr(engine, "optimizer", None) is not None:
-        root = universal_checkpoint(info, strategy.is_global_zero, strategy.barrier)
+        root = universal_checkpoint(info, strategy)
         engine._config.load_universal_checkpoint = True
         try:
             _, client_state = engine.load_checkpoint(

@@ -531,20 +531,12 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         final = self.broadcast(str(filepath))
         staging = ckpt.partial_path(final)
-        if self.is_global_zero:
-            ckpt.prepare_save(final)
-        self.barrier("lightning_gaudi_ds.save_checkpoint.begin")
+        ckpt.on_rank_zero(self, f"Preparing {staging}", lambda: ckpt.prepare_save(final))
         super().save_checkpoint(checkpoint, str(staging))
         self.barrier("lightning_gaudi_ds.save_checkpoint.written")  # every rank has written its shard
-        error = None
-        if self.is_global_zero:
-            try:
-                ckpt.commit_save(staging, final, self.zero_stage, self.world_size, "lr_schedulers" not in checkpoint)
-            except Exception as err:  # noqa: BLE001  (re-raised on every rank below)
-                error = f"{type(err).__name__}: {err}"
-        error = self.broadcast(error)
-        if error is not None:
-            raise RuntimeError(f"Saving checkpoint {final} failed on rank 0: {error}")
+        weights_only = "lr_schedulers" not in checkpoint
+        ckpt.on_rank_zero(self, f"Committing checkpoint {final}", lambda: ckpt.commit_save(
+            staging, final, self.zero_stage, self.world_size, weights_only))
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -553,7 +545,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         from lightning_gaudi_ds import checkpoint as ckpt
 
         info = ckpt.validate_checkpoint(checkpoint_path, zero_stage=self.zero_stage)
-        if info.world_size == self.world_size:
+        if info.world_size == self.world_size or info.zero_stage == 0:  # stage 0: DeepSpeed's own loader
             return super().load_checkpoint(checkpoint_path, weights_only)
         return ckpt.load_resharded(self, info)
 

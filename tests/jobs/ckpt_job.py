@@ -4,6 +4,8 @@
 Trainer with ``ModelCheckpoint`` (keys: see ``DEFAULTS``; one epoch is ``epoch_steps`` optimizer steps of the
 same global batch on any number of ranks, so runs on 1 and 2 ranks see the same batches).
 
+``validate: true`` runs ``trainer.validate(ckpt_path=...)`` instead of a fit (the loaded weights, not resumed).
+
 ``kill_at_save: N`` SIGKILLs rank ``kill_rank`` during its N-th checkpoint save of that fit, after the
 model-state file and before its ZeRO optimizer shard is written: a deterministic half-written checkpoint.
 
@@ -115,6 +117,9 @@ class Recorder(L.Callback):
 
             engine._save_zero_checkpoint = save_zero
 
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.info.setdefault("validation_start", {"outputs": self._outputs(pl_module)})
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.info["end"] = {
             "global_step": trainer.global_step, "epoch": trainer.current_epoch,
@@ -125,6 +130,7 @@ class Recorder(L.Callback):
 DEFAULTS: dict[str, Any] = {
     "stage": 2, "precision": "32-true", "max_steps": 8, "epoch_steps": 4, "ckpt_path": None, "every": 4,
     "save_top_k": -1, "save_last": True, "weights_only": False, "kill_at_save": 0, "kill_rank": 1,
+    "validate": False,  # trainer.validate(ckpt_path=...) instead of fit
 }
 
 
@@ -144,11 +150,16 @@ def fit(spec: dict[str, Any], devices: int, pg_timeout: float) -> dict[str, Any]
     strategy = HPUDeepSpeedStrategy(stage=spec["stage"], timeout=timedelta(seconds=pg_timeout))
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, precision=spec["precision"],
-        max_steps=spec["max_steps"], limit_val_batches=0, num_sanity_val_steps=0, logger=False,
+        max_steps=spec["max_steps"], limit_val_batches=2 if spec["validate"] else 0, num_sanity_val_steps=0,
+        logger=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoint, recorder],
     )
     per_rank_batch = BATCH * 2 // devices  # the same global batch on 1 and 2 ranks
     started = time.monotonic()
+    if spec["validate"]:
+        loader = DataLoader(data, batch_size=per_rank_batch)
+        metrics = trainer.validate(model, loader, ckpt_path=spec["ckpt_path"], verbose=False)[0]
+        return {"val_loss": metrics["val_loss"], **recorder.info, "seconds": time.monotonic() - started}
     trainer.fit(model, DataLoader(data, batch_size=per_rank_batch, shuffle=False), ckpt_path=spec["ckpt_path"])
     return {
         "records": {str(k): v for k, v in sorted(model.records.items())},
