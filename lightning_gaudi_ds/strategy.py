@@ -392,9 +392,18 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         )
         resolved = dsc.resolve_config(raw, ctx, source or "built from HPUDeepSpeedStrategy's arguments")
         self.config = resolved.config
-        if fitting:
-            hints = dsc.bucket_hints(raw, hidden) if source is not None else []
-            self._publish_config(resolved, trainer, hints)
+        if fitting:  # published at on_train_start: a file in the logger's directory before it starts would make
+            # CSVLogger warn that the directory "exists and is not empty"
+            self._config_to_publish = (resolved, dsc.bucket_hints(raw, hidden) if source is not None else [])
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        pending = getattr(self, "_config_to_publish", None)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if pending is not None and trainer is not None:
+            self._config_to_publish = None
+            self._publish_config(pending[0], trainer, pending[1])
 
     @staticmethod
     def _train_loader_batch_size(trainer: "pl.Trainer") -> Optional[int]:  # noqa: F821

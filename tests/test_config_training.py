@@ -31,7 +31,7 @@ def ranks_of(out: Path, result: JobResult) -> list[dict[str, Any]]:
     assert ranks[0]["config"] == ranks[1]["config"]
     for r in ranks:
         assert r["global_step"] >= 3 and all(math.isfinite(x) for x in r["step_losses"])
-    written = json.loads((out / "deepspeed_config.json").read_text())  # next to the run's logs, by rank 0
+    written = json.loads((Path(ranks[0]["log_dir"]) / "deepspeed_config.json").read_text())  # next to the logs
     assert written == ranks[0]["config"]
     assert result.output.count("DeepSpeed config resolved") == 1  # logged once, on rank 0
     return ranks
@@ -49,8 +49,10 @@ def test_seed_config_verbatim_from_env_var(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["zero1_bf16", "zero3_bf16"])
 def test_shipped_config(tmp_path: Path, name: str) -> None:
-    result = run_config_job(tmp_path, "--config", str(EXAMPLES / f"{name}.json"), "--batch-size", "4")
+    result = run_config_job(tmp_path, "--config", str(EXAMPLES / f"{name}.json"), "--batch-size", "4", "--csv-logger")
     r = ranks_of(tmp_path, result)[0]
+    assert r["log_dir"] == str(tmp_path / "lightning_logs" / "version_0")  # the logger's directory
+    assert "exists and is not empty" not in result.output  # written after the logger created its directory
     zero = r["config"]["zero_optimization"]
     stage = int(name[4])
     assert r["zero_stage"] == stage

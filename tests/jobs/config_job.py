@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -89,6 +90,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--max-steps", type=int, default=3)
+    parser.add_argument("--csv-logger", action="store_true", help="log with CSVLogger under --out")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -109,14 +111,16 @@ def main(argv: Optional[list[str]] = None) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        logger=False,
+        logger=CSVLogger(args.out) if args.csv_logger else False,
         default_root_dir=args.out,
     )
     trainer.fit(model, datamodule=Data(args.batch_size))
+    log_dir = trainer.log_dir  # a broadcast: every rank asks
     engine = strategy.deepspeed_engine
     basic = getattr(engine.optimizer, "optimizer", engine.optimizer)
     result = {
         "rank": trainer.global_rank,
+        "log_dir": log_dir,
         "global_step": trainer.global_step,
         "config": strategy.config,
         "step_losses": model.step_losses,
