@@ -5,9 +5,9 @@ real (2 ranks on gloo, and 1 rank for world-size changes), four jobs in all, sha
 
 * ``job_2ranks``: per stage 1, 2, 3 (fp32) a run of 8 steps saving every 4 steps, and a new run resumed from its
   step-4 checkpoint; the same for bf16 on stage 2; one stage-3 run with top-k, "last" as a link, weights only.
-* ``job_1rank``: resumes the 2-rank step-4 checkpoints on 1 rank; writes 1-rank step-4 checkpoints.
+* ``job_1rank``: resumes (and validates) the 2-rank step-4 checkpoints on 1 rank; writes 1-rank step-4 ones.
 * ``job_killed``: rank 1 is SIGKILLed while it writes the second "last.ckpt".
-* ``job_back_to_2``: resumes the 1-rank checkpoints on 2 ranks, and the killed run's "last.ckpt".
+* ``job_back_to_2``: resumes (and validates) the 1-rank checkpoints on 2 ranks, and the killed run's "last.ckpt".
 """
 
 from __future__ import annotations
@@ -168,6 +168,25 @@ def test_remove_checkpoint_handles_dirs_links_and_absent_paths(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+class _Rank:
+    def __init__(self, rank: int, message_from_rank0: Any = None) -> None:
+        self.is_global_zero, self.message = rank == 0, message_from_rank0
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj if self.is_global_zero else self.message
+
+
+def test_a_failure_on_rank_zero_is_raised_on_every_rank():
+    def fail() -> None:
+        raise PermissionError("read-only file system")
+
+    with pytest.raises(PermissionError, match="read-only"):
+        ckpt.on_rank_zero(_Rank(0), "Committing x", fail)
+    with pytest.raises(ckpt.CheckpointError, match="Committing x failed on rank 0: PermissionError: read-only"):
+        ckpt.on_rank_zero(_Rank(1, "PermissionError: read-only file system"), "Committing x", fail)
+    ckpt.on_rank_zero(_Rank(1), "Committing x", fail)  # not run on rank 1; rank 0 reported success
+
+
 def test_cli_convert_reports_bad_input(tmp_path, capsys):
     from lightning_gaudi_ds.cli import main
 
@@ -216,6 +235,8 @@ def job_1rank(tmp_path_factory, job_2ranks) -> dict[str, Any]:
         source = ckpt_of(job_2ranks, f"s{stage}-32-true") / f"epoch=0-step={K}.ckpt"
         plan.append({"name": f"s{stage}-from-2", "stage": stage, "dir": str(root / f"s{stage}-from-2"),
                      "ckpt_path": str(source)})
+        plan.append({"name": f"s{stage}-validate-from-2", "stage": stage, "dir": str(root / "unused"),
+                     "ckpt_path": str(source), "validate": True})
         plan.append({"name": f"s{stage}", "stage": stage, "dir": str(root / f"s{stage}"), "max_steps": K})
     _, fits = run_plan(root / "out", 1, plan)
     return {"fits": fits, "dirs": {spec["name"]: spec["dir"] for spec in plan}}
@@ -235,6 +256,8 @@ def job_back_to_2(tmp_path_factory, job_1rank, job_killed) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("back_to_two")
     plan = [{"name": f"s{stage}-from-1", "stage": stage, "dir": str(root / f"s{stage}"),
              "ckpt_path": str(ckpt_of(job_1rank, f"s{stage}") / f"epoch=0-step={K}.ckpt")} for stage in STAGES]
+    plan += [{"name": f"s{stage}-validate-from-1", "stage": stage, "dir": str(root / "unused"), "validate": True,
+              "ckpt_path": str(ckpt_of(job_1rank, f"s{stage}") / f"epoch=0-step={K}.ckpt")} for stage in STAGES]
     plan.append({"name": "after-kill", "stage": 2, "dir": str(root / "after-kill"),
                  "ckpt_path": str(job_killed["dir"] / "last.ckpt")})
     _, fits = run_plan(root / "out", 2, plan)
@@ -368,6 +391,17 @@ def test_world_size_2_to_1_restores_weights_and_optimizer(job_2ranks, job_1rank,
     expected = global_losses(job_2ranks["fits"][f"s{stage}-32-true"], K + 1, 2 * K)
     assert steps(resumed, K + 1, 2 * K) == pytest.approx(expected, rel=1e-5)
     assert (ckpt_of(job_2ranks, f"s{stage}-32-true") / f"epoch=0-step={K}.ckpt" / ckpt.UNIVERSAL).is_dir()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", STAGES)
+def test_world_size_change_for_evaluation_loads_the_weights(job_2ranks, job_1rank, job_back_to_2, stage):
+    (on_one,) = job_1rank["fits"][f"s{stage}-validate-from-2"]
+    weights_at_k = flat(job_2ranks["fits"][f"s{stage}-32-true-resumed"][0]["start"]["outputs"])
+    assert flat(on_one["validation_start"]["outputs"]) == pytest.approx(weights_at_k, rel=1e-6, abs=1e-7)
+    one_rank_weights = flat(job_1rank["fits"][f"s{stage}"][0]["end"]["outputs"])
+    for rank in job_back_to_2["fits"][f"s{stage}-validate-from-1"]:
+        assert flat(rank["validation_start"]["outputs"]) == pytest.approx(one_rank_weights, rel=1e-6, abs=1e-7)
 
 
 @pytest.mark.multiprocess
