@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
+        default_root_dir=args.out,
         num_nodes=args.num_nodes,
         callbacks=[EngineProbe()] + ([Fault(int(r), int(s), m) for r, s, m in [args.fault.split(":")]] if args.fault else []),
     )
