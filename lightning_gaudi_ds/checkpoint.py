@@ -238,6 +238,8 @@ def prepare_save(final: _PATH) -> Path:
     """Rank 0, before a save: remove what an earlier interrupted save of ``final`` left; return the staging dir."""
     final = Path(final)
     staging = partial_path(final)
+    if not (final.exists() or final.is_symlink()) and (staging / MANIFEST).is_file():
+        os.replace(staging, final)  # a commit interrupted between its two renames: finish it
     for leftover in (staging, final.with_name(final.name + REPLACED)):
         if leftover.exists():
             log.warning("Removing %s, left by an interrupted save", leftover)

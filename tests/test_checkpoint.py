@@ -145,6 +145,17 @@ def test_commit_replaces_atomically_and_never_exposes_a_broken_save(tmp_path, mo
     assert (ckpt.partial_path(final) / "checkpoint" / "marker").read_text() == "fourth"
 
 
+def test_a_commit_interrupted_between_its_renames_is_finished_by_the_next_save(tmp_path):
+    final = tmp_path / "last.ckpt"
+    _stage(final, "complete")
+    ckpt.commit_save(ckpt.partial_path(final), final, zero_stage=2, world_size=2)
+    final.rename(ckpt.partial_path(final))  # as if the process died right after renaming the old copy aside
+    with pytest.raises(ckpt.CheckpointNotFoundError, match="can be renamed to last.ckpt"):
+        ckpt.validate_checkpoint(final)
+    ckpt.prepare_save(final)
+    assert (final / "checkpoint" / "marker").read_text() == "complete" and ckpt.validate_checkpoint(final).has_manifest
+
+
 def test_manifest_catches_lost_and_truncated_files(tmp_path):
     final = tmp_path / "a.ckpt"
     _stage(final, "x")
@@ -238,6 +249,8 @@ def job_1rank(tmp_path_factory, job_2ranks) -> dict[str, Any]:
         plan.append({"name": f"s{stage}-validate-from-2", "stage": stage, "dir": str(root / "unused"),
                      "ckpt_path": str(source), "validate": True})
         plan.append({"name": f"s{stage}", "stage": stage, "dir": str(root / f"s{stage}"), "max_steps": K})
+    plan.append({"name": "s2-bf16-from-2", "stage": 2, "precision": "bf16-mixed", "dir": str(root / "s2-bf16"),
+                 "ckpt_path": str(ckpt_of(job_2ranks, "s2-bf16-mixed") / f"epoch=0-step={K}.ckpt")})
     _, fits = run_plan(root / "out", 1, plan)
     return {"fits": fits, "dirs": {spec["name"]: spec["dir"] for spec in plan}}
 
@@ -391,6 +404,17 @@ def test_world_size_2_to_1_restores_weights_and_optimizer(job_2ranks, job_1rank,
     expected = global_losses(job_2ranks["fits"][f"s{stage}-32-true"], K + 1, 2 * K)
     assert steps(resumed, K + 1, 2 * K) == pytest.approx(expected, rel=1e-5)
     assert (ckpt_of(job_2ranks, f"s{stage}-32-true") / f"epoch=0-step={K}.ckpt" / ckpt.UNIVERSAL).is_dir()
+
+
+@pytest.mark.multiprocess
+def test_world_size_2_to_1_in_bf16(job_2ranks, job_1rank):
+    (resumed,) = job_1rank["fits"]["s2-bf16-from-2"]
+    same_size = job_2ranks["fits"]["s2-bf16-mixed-resumed"][0]
+    assert_resumed_state(resumed)
+    assert flat(resumed["start"]["outputs"]) == flat(same_size["start"]["outputs"])  # bf16 copies of the fp32 master
+    assert resumed["start"]["optimizer"] == pytest.approx(same_size["start"]["optimizer"], rel=1e-6)
+    expected = global_losses(job_2ranks["fits"]["s2-bf16-mixed"], K + 1, 2 * K)
+    assert steps(resumed, K + 1, 2 * K) == pytest.approx(expected, rel=1e-2)
 
 
 @pytest.mark.multiprocess
