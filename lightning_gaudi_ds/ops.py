@@ -317,12 +317,12 @@ class _LockWatch(threading.Thread):
         self.first_report_s = first_report_s
         self.stop = threading.Event()
         self.cleared = threading.Event()
-        self.error: Optional[BaseException] = None
 
     def run(self) -> None:
         start = time.monotonic()
         next_report = start + self.first_report_s
         while not self.stop.wait(self.poll_s):
+            now = time.monotonic()
             try:
                 info = inspect_lock(self.path)
                 if info.state == "stale":
@@ -330,15 +330,14 @@ class _LockWatch(threading.Thread):
                     if info.state == "stale":
                         self.cleared.set()
                         self.say(f"the build this process waited on died; removed its lock {info.describe()}")
-                elif info.state in ("live", "unknown") and os.getpid() not in info.holders:
-                    if time.monotonic() >= next_report:
-                        waited = time.monotonic() - start
-                        self.say(f"waiting {waited:.0f} s for another process's build of {self.path.parent.name}:"
-                                 f" {info.describe()}")
-                        next_report = time.monotonic() + self.report_s
-            except BaseException as err:  # reported by the loader, never lost in a thread
-                self.error = err
-                return
+                elif info.state in ("live", "unknown") and os.getpid() not in info.holders and now >= next_report:
+                    self.say(f"waiting {now - start:.0f} s for another process's build of {self.path.parent.name}:"
+                             f" {info.describe()}")
+                    next_report = now + self.report_s
+            except Exception as err:  # e.g. a stale lock this user cannot remove: keep saying so, keep watching
+                if now >= next_report:
+                    self.say(f"still waiting on {self.path}: {err}")
+                    next_report = now + self.report_s
 
 
 def load_op(name: str, builder: Any, say: Callable[[str], None] = _say) -> Any:
@@ -359,8 +358,6 @@ def load_op(name: str, builder: Any, say: Callable[[str], None] = _say) -> Any:
         finally:
             watch.stop.set()
             watch.join()
-            if watch.error is not None and isinstance(watch.error, BuildLockError):
-                raise watch.error
     raise AssertionError("unreachable")
 
 
