@@ -85,7 +85,13 @@ def _read_model_states_meta(tag_dir: Path) -> tuple[int, int, int]:
     candidates = sorted(tag_dir.glob("*model_states.pt"))
     if not candidates:
         raise FileNotFoundError(f"no *_model_states.pt file in {tag_dir}")
-    state = torch.load(candidates[0], map_location="cpu", weights_only=False, mmap=True)
+    try:
+        state = torch.load(candidates[0], map_location="cpu", weights_only=False, mmap=True)
+    except Exception as err:  # noqa: BLE001  (torch raises several types for a cut-short file)
+        raise IncompleteCheckpointError(
+            f"{candidates[0]} is unreadable, probably cut short by an interrupted save ({type(err).__name__}: {err})."
+            " Resume from another checkpoint."
+        ) from err
     zero = (state.get("ds_config") or {}).get("zero_optimization") or {}
     return int(zero.get("stage", 0)), int(state.get("dp_world_size", 1)), int(state.get("mp_world_size", 1))
 

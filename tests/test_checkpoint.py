@@ -90,6 +90,14 @@ def test_a_missing_shard_is_named(tmp_path, stage, missing):
         ckpt.validate_checkpoint(path)
 
 
+def test_a_cut_short_shard_is_named(tmp_path):
+    path = fake_checkpoint(tmp_path, stage=2)
+    model_states = path / "checkpoint" / "mp_rank_00_model_states.pt"
+    model_states.write_bytes(model_states.read_bytes()[:100])
+    with pytest.raises(ckpt.IncompleteCheckpointError, match="mp_rank_00_model_states.pt is unreadable, probably cut"):
+        ckpt.validate_checkpoint(path)
+
+
 def test_complete_checkpoint_without_manifest_is_accepted(tmp_path):
     info = ckpt.validate_checkpoint(fake_checkpoint(tmp_path, stage=3))
     assert (info.zero_stage, info.world_size, info.tag, info.has_manifest) == (3, 2, "checkpoint", False)
