@@ -119,11 +119,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fp32", action="store_true", help="include the fp32 census in --quick")
     parser.add_argument("--timeout", type=float, default=3600, help="time-out of the whole job (s)")
     parser.add_argument("--no-readme", dest="no_readme", action="store_true", help="do not update benchmarks/README.md")
+    parser.add_argument("--report-only", dest="report_only", action="store_true",
+                        help="rebuild the report from the raw results of the last run (no training)")
     args = parser.parse_args(argv)
 
     settings = Settings.from_args(args)
     out: Path = args.out or (HERE / "results" / ("quick" if args.quick else ""))
     raw = out / "raw"
+    if args.report_only:
+        from report import write_report
+
+        saved = json.loads((raw / "run.json").read_text())
+        cases = [Case.from_json(c) for c in json.loads((raw / "plan.json").read_text())["cases"]]
+        failed = write_report(out, cases, saved["settings"], WORLD, saved["elapsed"], saved["build"], args.quick,
+                              update_readme=not args.quick and not args.no_readme and args.out is None)
+        return 1 if failed else 0
     if raw.exists():
         shutil.rmtree(raw)
     (raw / "cases").mkdir(parents=True)
@@ -138,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                     {"BENCH_RDV_DIR": str(raw / "rdv"), "BENCH_ROOT_DIR": str(raw / "root")})
     elapsed = time.time() - started
     print(f"job {'ok' if job.ok else 'FAILED'} in {elapsed:.0f}s", flush=True)
+    (raw / "run.json").write_text(json.dumps({"settings": settings.__dict__, "elapsed": elapsed, "build": build}))
 
     from report import write_report
 

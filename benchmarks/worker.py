@@ -232,7 +232,9 @@ class RawArm:
                 dist_init_required=False,
             )
 
-    def step(self) -> None:
+    def step(self) -> dict[str, float]:
+        """One training step; returns the wall/CPU time of its phases (data+forward, backward, optimizer step)."""
+        marks = [_now()]
         try:
             x, y = next(self.batches)
         except StopIteration:
@@ -242,14 +244,32 @@ class RawArm:
             if self.bf16:
                 x, y = x.to(torch.bfloat16), y.to(torch.bfloat16)
             loss = loss_fn(self.engine(x), y)
+            marks.append(_now())
             self.engine.backward(loss)
+            marks.append(_now())
             self.engine.step()
-            return
-        self.optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
-            loss = loss_fn(self.net(x), y)
-        loss.backward()
-        self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+                loss = loss_fn(self.net(x), y)
+            marks.append(_now())
+            loss.backward()
+            marks.append(_now())
+            self.optimizer.step()
+        marks.append(_now())
+        return _phases(marks, ("forward", "backward", "step"))
+
+
+def _now() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _phases(marks: list[tuple[float, float]], names: tuple[str, ...]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, a, b in zip(names, marks, marks[1:]):
+        out[name] = b[0] - a[0]
+        out[name + "_cpu"] = b[1] - a[1]
+    return out
 
 
 class PairedTimer(L.Callback):
@@ -262,7 +282,12 @@ class PairedTimer(L.Callback):
         self.case, self.rank, self.world = case, rank, world
         self.starts: list[float] = []
         self.raw: list[float] = []
+        self.cpu_starts: list[float] = []  # process CPU time: insensitive to other jobs on a loaded machine
+        self.raw_cpu: list[float] = []
         self.arm: Optional[RawArm] = None
+        self.marks: dict[str, tuple[float, float]] = {}
+        self.trainer_phases: list[dict[str, float]] = []
+        self.raw_phases: list[dict[str, float]] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         config = copy.deepcopy(getattr(trainer.strategy, "config", None))
@@ -270,16 +295,30 @@ class PairedTimer(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         self.starts.append(time.perf_counter())
+        self.cpu_starts.append(time.process_time())
+        self.marks = {"start": _now()}
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
+        self.marks["before_backward"] = _now()
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.marks["after_backward"] = _now()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        m = self.marks
+        if len(m) == 3:  # forward (from the batch's arrival), backward, optimizer step with Lightning's hooks
+            self.trainer_phases.append(_phases([m["start"], m["before_backward"], m["after_backward"], _now()],
+                                               ("forward", "backward", "step")))
         assert self.arm is not None
-        t0 = time.perf_counter()
-        self.arm.step()
+        t0, c0 = time.perf_counter(), time.process_time()
+        self.raw_phases.append(self.arm.step())
         self.raw.append(time.perf_counter() - t0)
+        self.raw_cpu.append(time.process_time() - c0)
 
-    def trainer_steps(self) -> list[float]:
-        return [self.starts[i + 1] - self.starts[i] - self.raw[i] for i in range(len(self.starts) - 1)]
+    def trainer_steps(self, cpu: bool = False) -> list[float]:
+        starts, raw = (self.cpu_starts, self.raw_cpu) if cpu else (self.starts, self.raw)
+        return [starts[i + 1] - starts[i] - raw[i] for i in range(len(starts) - 1)]
 
 
 def run_speed(case: Case, rank: int, world: int) -> dict[str, Any]:
@@ -294,6 +333,10 @@ def run_speed(case: Case, rank: int, world: int) -> dict[str, Any]:
         "params": size.params,
         "trainer_s": timer.trainer_steps()[w:],
         "raw_s": timer.raw[w:len(timer.starts) - 1],
+        "trainer_cpu_s": timer.trainer_steps(cpu=True)[w:],
+        "raw_cpu_s": timer.raw_cpu[w:len(timer.starts) - 1],
+        "trainer_phases": timer.trainer_phases[w:len(timer.starts) - 1],
+        "raw_phases": timer.raw_phases[w:len(timer.starts) - 1],
         "samples_per_step": case.batch_size * world,
     }
 
@@ -307,7 +350,8 @@ def init_process_group(case: Case, rank: int, world: int) -> None:
 
 def run_child(case: Case, rank: int, world: int, out: Path) -> int:
     torch.set_num_threads(1)
-    quiet()
+    if not os.environ.get("BENCH_VERBOSE"):
+        quiet()
     result: dict[str, Any] = {"case": case.to_json(), "rank": rank, "ok": False}
     t0 = time.perf_counter()
     try:
