@@ -11,6 +11,7 @@ script gets SIGKILL if this shim dies. Without ``LIGHTNING_GAUDI_DS_RUN_DIR`` it
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ from typing import Any, Optional
 RUN_DIR_ENV = "LIGHTNING_GAUDI_DS_RUN_DIR"
 # Global rank as each launcher announces it; the first one present wins.
 _RANK_KEYS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
+_MPI_KEYS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -35,9 +37,17 @@ def global_rank_from_env() -> int:
 
 
 def python_command(argv: list[str]) -> list[str]:
-    """``script.py args`` -> ``python -u script.py args``; ``-m module args`` -> ``python -u -m module args``."""
+    """``script.py args`` -> ``python -u script.py args``; ``-m module args`` -> ``python -u -m module args``.
+
+    Under mpirun the script runs through ``python -m mpi4py``, which calls MPI_Abort on an uncaught exception.
+    Otherwise the failed rank blocks in MPI_Finalize at exit (waiting for its peers) while keeping its gloo
+    connections open, and the peers block in their next collective: a job that never ends.
+    """
     if not argv:
         raise SystemExit("usage: python _rank.py (script.py | -m module) [args...]")
+    under_mpi = any(key in os.environ for key in _MPI_KEYS)
+    if under_mpi and importlib.util.find_spec("mpi4py") is not None:
+        return [sys.executable, "-u", "-m", "mpi4py", *argv]
     return [sys.executable, "-u", *argv]
 
 

@@ -4,6 +4,16 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
+# Open MPI for `lightning-gaudi-ds spawn --use_mpi` and its tests (mpi4py comes with the test extra below).
+if ! command -v mpirun >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends openmpi-bin libopenmpi-dev >/dev/null
+  else
+    echo "setup.sh: no mpirun and no apt-get: install Open MPI yourself for --use_mpi and its tests" >&2
+  fi
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi

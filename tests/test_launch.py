@@ -347,3 +347,60 @@ def test_unlaunched_and_user_environments_are_left_alone(launcher_env) -> None:
 
     mine = Mine()
     assert resolve_environment(mine) is mine
+
+
+# ----------------------------------------------- the runner and its shim with tiny stdlib-only scripts (fast)
+def script(tmp_path: Path, name: str, body: str) -> Path:
+    path = tmp_path / name
+    path.write_text("import os, sys, time, subprocess\n" + body)
+    return path
+
+
+def test_shim_records_exit_and_output(tmp_path: Path) -> None:
+    import json
+    import subprocess
+
+    toy = script(tmp_path, "toy.py", "print('hello from', os.environ['RANK']); sys.exit(5)\n")
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RANK": "3", launch.RUN_DIR_ENV: str(run_dir)}
+    done = subprocess.run([sys.executable, SHIM, str(toy)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 5 and "hello from 3" in done.stdout
+    record = json.loads((run_dir / "rank3.json").read_text())
+    assert record["returncode"] == 5 and record["child_pid"] != record["pid"]
+    assert (run_dir / "rank3.log").read_text() == "hello from 3\n"
+
+
+def test_shim_runs_scripts_through_mpi4py_under_mpirun(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_gaudi_ds import _rank
+
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
+    assert _rank.python_command(["t.py"]) == [sys.executable, "-u", "t.py"]
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    monkeypatch.setattr(_rank.importlib.util, "find_spec", lambda name: object())
+    assert _rank.python_command(["t.py", "--a"]) == [sys.executable, "-u", "-m", "mpi4py", "t.py", "--a"]
+
+
+def test_runner_returns_first_failure_and_prints_its_tail(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    ok = script(tmp_path, "ok.py", "print('ok ran')\n")
+    bad = script(tmp_path, "bad.py", "for i in range(30): print('line', i)\nsys.exit(3)\n")
+    never = script(tmp_path, "never.py", f"open({str(tmp_path / 'ran')!r}, 'w')\n")
+    runner = DistributedRunner([str(ok), f"{bad} --flag", str(never)], master_port=0, tail_lines=5)
+    assert runner.run() == 3
+    assert not (tmp_path / "ran").exists()  # commands run in order and stop at the first failure
+    err = capsys.readouterr().err
+    assert "rank 0 failed: exited with exit code 3" in err
+    assert "last 5 lines of rank 0" in err and "  | line 29" in err and "  | line 24" not in err
+
+
+def test_runner_stops_processes_that_outlive_the_job(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A process that left the job's session (as torchrun's workers do) is still found, by the job's token."""
+    import psutil
+
+    pid_file = tmp_path / "pid"
+    body = (f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True)\n"
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n")
+    runner = DistributedRunner([str(script(tmp_path, "leaky.py", body))], master_port=0, stop_timeout=1)
+    assert runner.run() == 0
+    pid = int(pid_file.read_text())
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert f"outlived the launcher and were stopped: [{pid}]" in capsys.readouterr().err
