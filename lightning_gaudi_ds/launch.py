@@ -17,7 +17,9 @@ import argparse
 import codecs
 import ctypes
 import errno
+import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -157,7 +159,8 @@ class DistributedRunner:
         master_addr: rendezvous address; default 127.0.0.1, or the first host of the hostfile.
         node_rank: start only this node's ranks of a hostfile job (torchrun ``--node_rank``, DeepSpeed
             ``--no_ssh --node_rank``): run the same command on every node with its own node_rank.
-        log_dir: where per-rank logs go (kept); default a temporary directory, removed after success.
+        log_dir: keep per-rank logs in a new subdirectory of this per run and command; default a temporary
+            directory, removed after success.
         stop_timeout: seconds between SIGTERM and SIGKILL when stopping the job.
         timeout: stop the job after this many seconds (exit code 124); None waits forever.
         tail_lines: lines of a failed rank's output to print.
@@ -214,7 +217,7 @@ class DistributedRunner:
         argv = shlex.split(command)
         if not argv:
             raise ValueError("an empty command: pass 'script.py args...' or '-m module args...'.")
-        if argv[0] == sys.executable or Path(argv[0]).name.startswith("python"):
+        if argv[0] == sys.executable or re.fullmatch(r"python[0-9.]*", Path(argv[0]).name):
             argv = argv[1:]  # the launcher supplies the interpreter
         return argv
 
@@ -343,13 +346,13 @@ class DistributedRunner:
         return 0
 
     def _run_one(self, user: list[str], index: int) -> int:
-        if self.log_dir is not None:
-            run_dir = self.log_dir / (f"cmd{index}" if len(self.commands) > 1 else "")
-            run_dir.mkdir(parents=True, exist_ok=True)
+        token = uuid.uuid4().hex
+        if self.log_dir is not None:  # a fresh directory per run: records of an earlier run must not be read
+            run_dir = self.log_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{token[:6]}-cmd{index}"
+            run_dir.mkdir(parents=True)
             keep = True
         else:
             run_dir, keep = Path(tempfile.mkdtemp(prefix="lgds-run-")), False
-        token = uuid.uuid4().hex
         port = self._choose_port()
         argv = self.build_command(user, port)
         _say(f"{self.launcher}, world size {self.world_size}: {shlex.join(argv)}")
@@ -391,7 +394,7 @@ class DistributedRunner:
                 return failure, failure.returncode
             code = launcher.poll()
             if code is not None:
-                failure = ranks.first_failure(final=True)
+                failure = ranks.first_failure()  # the shims wrote their records before exiting
                 if failure is None and code != 0:
                     failure = _Failure(None, _exit_code(code), f"the launcher exited with {_describe(code)}",
                                        run_dir / "launcher.log")
@@ -449,9 +452,7 @@ class _RankTable:
         self.run_dir = run_dir
         self.procs: dict[int, Optional[psutil.Process]] = {}
 
-    def first_failure(self, final: bool = False) -> Optional[_Failure]:
-        import json
-
+    def first_failure(self) -> Optional[_Failure]:
         failures = []
         for path in self.run_dir.glob("rank*.json"):
             try:

@@ -78,6 +78,11 @@ def test_world_size_one_is_plain_python() -> None:
     assert runner.build_command(runner.commands[0]) == [sys.executable, "-u", SHIM, "train.py", "--lr", "0.1"]
 
 
+def test_only_an_interpreter_is_dropped_from_a_command() -> None:
+    assert DistributedRunner(["python3.11 t.py"]).commands == [["t.py"]]
+    assert DistributedRunner(["python_train.py --a"]).commands == [["python_train.py", "--a"]]
+
+
 def test_commands_are_split_with_shlex_never_a_shell() -> None:
     runner = DistributedRunner(["python train.py --name 'a b' 'x;rm -rf /' $HOME `id`"], world_size=2)
     cmd = runner.build_command(runner.commands[0])
@@ -404,3 +409,12 @@ def test_runner_stops_processes_that_outlive_the_job(tmp_path: Path, capsys: pyt
     pid = int(pid_file.read_text())
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert f"outlived the launcher and were stopped: [{pid}]" in capsys.readouterr().err
+
+
+def test_a_reused_log_dir_does_not_mix_runs(tmp_path: Path) -> None:
+    bad = script(tmp_path, "bad.py", "print('bad'); sys.exit(4)\n")
+    good = script(tmp_path, "good.py", "print('good')\n")
+    logs = tmp_path / "logs"
+    assert DistributedRunner([str(bad)], master_port=0, log_dir=logs).run() == 4
+    assert DistributedRunner([str(good)], master_port=0, log_dir=logs).run() == 0  # the old record is not read
+    assert sorted(p.read_text() for p in logs.glob("*/rank0.log")) == ["bad\n", "good\n"]

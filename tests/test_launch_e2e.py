@@ -201,7 +201,7 @@ def test_rank_failure_stops_every_rank(tmp_path: Path, case: str) -> None:
 def test_signal_to_runner_stops_every_rank(tmp_path: Path, sig: signal.Signals, flags: list[str]) -> None:
     """Both ranks sit in a step that ignores SIGTERM (Lightning's handler only takes note): SIGKILL must follow."""
     job = LiveJob([*SPAWN, "--world_size", "2", *flags, "--master_port", "0", "--stop_timeout", "5",
-                   *train_args(tmp_path, "--fault", "-1:1:hang")])
+                   *train_args(tmp_path, "--fault=-1:1:hang")])
     job.wait_for("injecting fault 'hang'", count=2, timeout=JOB_TIMEOUT_S)
     sent = time.monotonic()
     job.send_signal(sig)
