@@ -51,9 +51,11 @@ _REGISTERED: tuple[tuple[str, str, dict[str, Any]], ...] = (
 
 
 def _records_explicit_args(init: Callable[..., None]) -> Callable[..., None]:
-    """Wrap ``__init__`` to remember which arguments the caller passed (``self._explicit_args``): an explicit
-    argument can contradict a config, a default cannot. ``functools.wraps`` keeps the real signature visible
-    to ``inspect`` and to LightningCLI/jsonargparse (a ``__new__(*args, **kwargs)`` would hide it)."""
+    """Wrap ``__init__`` to remember the arguments the caller set (``self._explicit_args``): a set argument can
+    contradict a config, a default cannot. An argument passed with its default value counts as not set:
+    LightningCLI/jsonargparse passes every argument, defaults included, so it cannot be told apart there.
+    ``functools.wraps`` keeps the real signature visible to ``inspect`` and jsonargparse (a ``__new__(*args,
+    **kwargs)`` would hide it)."""
 
     @functools.wraps(init)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -63,10 +65,36 @@ def _records_explicit_args(init: Callable[..., None]) -> Callable[..., None]:
             bound = {}  # __init__ reports the bad call
         explicit = bound.pop("kwargs", {})
         explicit.update({k: v for k, v in bound.items() if k != "self"})
-        self._explicit_args = explicit
+        defaults = _init_defaults(type(self))
+        self._explicit_args = {k: v for k, v in explicit.items() if not _is_default(v, defaults.get(k, _NO_DEFAULT))}
         init(self, *args, **kwargs)
 
     return wrapper
+
+
+_NO_DEFAULT = object()
+
+
+def _init_defaults(cls: type) -> dict[str, Any]:
+    """Default values of every ``__init__`` along ``cls``'s MRO (the most derived class wins)."""
+    defaults: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        init = klass.__dict__.get("__init__")
+        if init is None or klass is object:
+            continue
+        for name, param in inspect.signature(inspect.unwrap(init)).parameters.items():
+            if param.default is not inspect.Parameter.empty:
+                defaults[name] = param.default
+    return defaults
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if value is default:
+        return True
+    try:
+        return type(value) is type(default) and bool(value == default)
+    except Exception:  # noqa: BLE001  (an exotic __eq__: count the argument as set)
+        return False
 
 
 class HPUDeepSpeedStrategy(DeepSpeedStrategy):

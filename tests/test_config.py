@@ -456,7 +456,17 @@ class TestStrategyWiring:
 
         assert HPUDeepSpeedStrategy(1)._explicit_args == {"stage": 1}
         named = StrategyRegistry.get("hpu_deepspeed_stage_2_offload")
-        assert named._explicit_args == {"stage": 2, "offload_optimizer": True}
+        assert named._explicit_args == {"offload_optimizer": True}  # stage=2 is the default
+        # LightningCLI passes every argument, defaults included: only values that differ from a default count
+        import inspect
+
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        everything = {name: p.default for cls in (DeepSpeedStrategy, HPUDeepSpeedStrategy)
+                      for name, p in inspect.signature(cls.__init__).parameters.items()
+                      if p.default is not inspect.Parameter.empty}
+        everything["stage"] = 3
+        assert HPUDeepSpeedStrategy(**everything)._explicit_args == {"stage": 3}
         assert copy.deepcopy(named)._explicit_args == named._explicit_args
 
     def test_default_config_is_lightning_s(self) -> None:
