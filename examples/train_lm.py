@@ -196,7 +196,7 @@ class LitGPT(L.LightningModule):
         vocab_size: int = 256,
         lr: float = 3e-3,
         weight_decay: float = 0.1,
-        betas: tuple[float, float] = (0.9, 0.95),
+        betas: tuple[float, float] = (0.9, 0.99),
         warmup_steps: int = 30,
     ) -> None:
         super().__init__()
@@ -234,11 +234,6 @@ class LitGPT(L.LightningModule):
         dm = self.trainer.datamodule
         batch = getattr(dm, "batch_size", 1)
         return per_token * c.block_size * batch
-
-    def configure_callbacks(self) -> list[L.Callback]:
-        # samples/s and tokens/s ("items" = tokens), logged to the Trainer's logger as train/samples_per_sec,
-        # train/items_per_sec and their per-process train/device/* counterparts.
-        return [ThroughputMonitor(batch_size_fn=_batch_samples, length_fn=_batch_tokens, window_size=10)]
 
     def configure_optimizers(self) -> Any:
         # Weight decay on matrices only. Under ZeRO-3 a parameter's data is an empty placeholder: use ds_shape.
@@ -294,6 +289,16 @@ def _batch_samples(batch: tuple[Tensor, Tensor]) -> int:
 
 def _batch_tokens(batch: tuple[Tensor, Tensor]) -> int:
     return batch[0].numel()
+
+
+class TokenThroughputMonitor(ThroughputMonitor):
+    """Lightning's ThroughputMonitor for (inputs, targets) token batches: logs ``train/samples_per_sec`` and
+    ``train/items_per_sec`` (items = tokens) for all processes together, ``train/device/*`` per process, and FLOP/s
+    from ``LitGPT.flops_per_batch``; each rate is taken over the last ``window_size`` steps.
+    """
+
+    def __init__(self, window_size: int = 10) -> None:
+        super().__init__(batch_size_fn=_batch_samples, length_fn=_batch_tokens, window_size=window_size)
 
 
 # -------------------------------------------------------------------------------------------- run report
@@ -355,7 +360,7 @@ class RunReport(L.Callback):
         if self.seconds > 0:
             lines.append(
                 f"throughput: {self.samples / self.seconds:,.1f} samples/s, {self.tokens / self.seconds:,.0f} tokens/s"
-                f" (all processes, steps 2-{trainer.global_step}, {self.seconds:.0f} s of training)"
+                f" (all processes, steps 2-{trainer.global_step}, {self.seconds:.1f} s of training)"
             )
         held = _partitioned_share(trainer.lightning_module)
         if held is not None:
@@ -389,6 +394,7 @@ class LMCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.link_arguments("data.block_size", "model.block_size")
+        parser.add_lightning_class_args(TokenThroughputMonitor, "throughput")
         parser.add_lightning_class_args(RunReport, "report")
         parser.add_argument("--save_checkpoint", type=bool, default=True, help="save a (sharded) checkpoint after fit")
 

@@ -27,7 +27,7 @@ EXPECTED = {  # yaml -> (stage, offload_optimizer, offload_parameters, strategy 
 }
 # A tiny model and a few steps: the recipes' wiring is under test here, not the learning.
 TINY = [
-    "--trainer.max_steps", "12", "--trainer.val_check_interval", "6", "--trainer.limit_val_batches", "2",
+    "--trainer.max_steps", "6", "--trainer.val_check_interval", "3", "--throughput.window_size", "3", "--trainer.limit_val_batches", "2",
     "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
     "--trainer.enable_model_summary", "false",
     "--model.n_layer", "1", "--model.n_embd", "64", "--model.n_head", "2", "--model.warmup_steps", "2",
@@ -106,7 +106,7 @@ def test_gpt_shapes_tied_weights_and_initial_loss():
     x = torch.randint(0, 256, (3, 16))
     assert module(x).shape == (3, 16, 256)
     loss = module._loss((x, torch.randint(0, 256, (3, 16))))
-    assert abs(float(loss) - math.log(256)) < 0.3  # starts at chance level
+    assert abs(float(loss.detach()) - math.log(256)) < 0.3  # starts at chance level
     with pytest.raises(ValueError, match="block_size=16"):
         module(torch.zeros(1, 17, dtype=torch.long))
 
@@ -186,7 +186,7 @@ def _summary_field(out: str, name: str) -> str:
 
 def _check_run(out: str, stage: int) -> None:
     assert f"(ZeRO stage {stage}), precision bf16-mixed" in _summary_field(out, "run")
-    assert "12 steps on 2 x cpu" in _summary_field(out, "run")
+    assert "6 steps on 2 x cpu" in _summary_field(out, "run")
     first, last = map(float, re.findall(r"train ([\d.]+) -> ([\d.]+)", _summary_field(out, "loss"))[0])
     assert 5.0 < first < 6.0 and last < first - 0.3, (first, last)  # from chance (ln 256 = 5.55) downwards
     assert re.search(r"[\d.]+ samples/s, [\d,]+ tokens/s", _summary_field(out, "throughput"))
