@@ -185,18 +185,22 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, fl
 def rss_rows(results: dict[str, CaseResult], layers: Sequence[int], world: int) -> list[dict[str, Any]]:
     rows = []
     for arm in ("ddp", "z0", "z1", "z2", "z3"):
-        pts = []
-        for lay in layers:
-            res = results.get(f"mem_bf16_{arm}_l{lay}")
-            if res is not None and res.ok:
-                peak = max((census_point(res, p) for p in ("before_step", "in_step")), key=lambda c: c["total"])
-                pts.append((res.r0["params"], max(r["rss_peak"] for r in res.ranks), peak["total"]))
-        if len(pts) < 2:
-            continue
-        a, b, r2 = fit_line([p[0] for p in pts], [p[1] for p in pts])
-        ta, _, _ = fit_line([p[0] for p in pts], [p[2] for p in pts])
-        rows.append({"type": "rss_fit", "arm": arm, "points": pts, "rss_bytes_per_param": a, "rss_intercept": b,
-                     "r2": r2, "census_bytes_per_param": ta, "formula_bpp": formula(arm, "bf16-mixed", world)})
+        row: dict[str, Any] = {"type": "rss_fit", "arm": arm, "formula_bpp": formula(arm, "bf16-mixed", world)}
+        for suffix, key in (("", "rss"), ("_mmap", "rss_mmap")):
+            pts = []
+            for lay in layers:
+                res = results.get(f"mem_bf16_{arm}_l{lay}{suffix}")
+                if res is not None and res.ok:
+                    peak = max((census_point(res, p) for p in ("before_step", "in_step")), key=lambda c: c["total"])
+                    pts.append((res.r0["params"], max(r["rss_peak"] for r in res.ranks), peak["total"]))
+            if len(pts) < 2:
+                continue
+            a, b, r2 = fit_line([p[0] for p in pts], [p[1] for p in pts])
+            row.update({f"{key}_points": pts, f"{key}_bytes_per_param": a, f"{key}_intercept": b, f"{key}_r2": r2})
+            if not suffix:
+                row["census_bytes_per_param"] = fit_line([p[0] for p in pts], [p[2] for p in pts])[0]
+        if "rss_points" in row:
+            rows.append(row)
     return rows
 
 
@@ -383,12 +387,16 @@ def markdown(m: dict[str, Any], mem: list[dict[str, Any]], mem32: list[dict[str,
                              f"{_f(r.get('vs_ddp_states'))} | {_f(r.get('theory_vs_ddp'), 3)} |")
     if rss:
         lines += ["", "#### 3. Peak RSS per rank: fitted bytes per parameter (bf16-mixed)", "",
-                  "| arm | sizes (Ψ, M) | RSS slope B/param | R² | tensor-census slope B/param | formula B/param |",
-                  "|---|---|---|---|---|---|"]
+                  "| arm | sizes (Ψ, M) | RSS slope B/param | R² | RSS slope, freed memory returned | R² | "
+                  "tensor-census slope B/param | formula B/param |", "|---|---|---|---|---|---|---|---|"]
         for r in rss:
-            sizes = ", ".join(f"{p[0] / 1e6:.1f}" for p in r["points"])
-            lines.append(f"| {ARMS[r['arm']].label} | {sizes} | {r['rss_bytes_per_param']:.1f} | {r['r2']:.3f} | "
+            sizes = ", ".join(f"{p[0] / 1e6:.1f}" for p in r["rss_points"])
+            lines.append(f"| {ARMS[r['arm']].label} | {sizes} | {r['rss_bytes_per_param']:.1f} | {r['rss_r2']:.3f} | "
+                         f"{_f(r.get('rss_mmap_bytes_per_param'), 1)} | {_f(r.get('rss_mmap_r2'), 3)} | "
                          f"{r['census_bytes_per_param']:.1f} | {r['formula_bpp']:.0f} |")
+        lines += ["", "*freed memory returned*: the same sweep with glibc's mmap threshold pinned to 64 KiB (mallopt),"
+                  " so that every freed tensor leaves the process at once; by default glibc raises that threshold"
+                  " up to 32 MiB as blocks are freed, and freed tensors below it stay in the heap and in RSS."]
     if speed:
         lines += ["", "#### 4-5. Step time: Trainer + strategy ÷ the same training by hand; samples/s ÷ Lightning DDP",
                   "", "Rank 0's step times, warm-up dropped, rounds interleaved; each Trainer step is followed by one"
@@ -462,13 +470,21 @@ def charts(out: Path, mem: list[dict[str, Any]], rss: list[dict[str, Any]], spee
     if rss:
         fig, ax = plt.subplots(figsize=(7, 4.2))
         for r in rss:
-            xs = [p[0] / 1e6 for p in r["points"]]
-            ys = [p[1] / (1 << 30) for p in r["points"]]
+            xs = [p[0] / 1e6 for p in r["rss_points"]]
+            ys = [p[1] / (1 << 30) for p in r["rss_points"]]
             line = ax.plot(xs, ys, "o", label=f"{ARMS[r['arm']].label}: {r['rss_bytes_per_param']:.1f} B/param "
                                               f"(formula {r['formula_bpp']:.0f})")[0]
             fx = [min(xs), max(xs)]
             ax.plot(fx, [(r["rss_bytes_per_param"] * x * 1e6 + r["rss_intercept"]) / (1 << 30) for x in fx],
                     color=line.get_color(), lw=1)
+            if "rss_mmap_points" in r:
+                mx = [p[0] / 1e6 for p in r["rss_mmap_points"]]
+                my = [p[1] / (1 << 30) for p in r["rss_mmap_points"]]
+                ax.plot(mx, my, "x", color=line.get_color(),
+                        label=f"  freed memory returned: {r['rss_mmap_bytes_per_param']:.1f} B/param")
+                ax.plot([min(mx), max(mx)], [(r["rss_mmap_bytes_per_param"] * x * 1e6 + r["rss_mmap_intercept"])
+                                             / (1 << 30) for x in (min(mx), max(mx))], color=line.get_color(),
+                        lw=1, ls=":")
         ax.set_xlabel("parameters Ψ (millions)")
         ax.set_ylabel("peak RSS per rank (GiB)")
         ax.set_title("Peak RSS per rank vs model size, fitted slopes (bf16-mixed, N=2)")

@@ -30,6 +30,7 @@ SPEED_ARMS = ("ddp", "z0", "z1", "z2", "z3")
 SWEEP_ARMS = ("ddp", "z0", "z1", "z2", "z3")
 EXTRA_ARMS = ("z2_offload", "z3_offload", "z1_reduce", "z2_reduce")  # main size only
 FP32_ARMS = ("ddp", "z0", "z1", "z2", "z3", "z2_offload", "z3_offload")
+MMAP_THRESHOLD = 64 * 1024
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Settings:
     speed_measured: int
     offload: bool
     fp32: bool
+    mmap_sweep: bool
     speed: bool
     memory: bool
 
@@ -63,7 +65,8 @@ class Settings:
             base["main_layers"] = args.layers[len(args.layers) // 2 - 1] if len(args.layers) > 1 else args.layers[0]
         only = set(args.only or ("memory", "speed"))
         return cls(**base, offload=not args.no_offload and not args.quick or args.offload,
-                   fp32=not args.quick or args.fp32, speed="speed" in only, memory="memory" in only)
+                   fp32=not args.quick or args.fp32, mmap_sweep=not args.quick and not args.no_mmap_sweep,
+                   speed="speed" in only, memory="memory" in only)
 
 
 def plan(s: Settings) -> list[Case]:
@@ -74,6 +77,10 @@ def plan(s: Settings) -> list[Case]:
                 cases.append(Case(id=f"mem_bf16_{arm}_l{layers}", kind="memory", arm=arm, hidden=s.hidden,
                                   layers=layers, batch_size=s.batch_size, steps=s.memory_steps,
                                   extra={"gc_check": layers == s.main_layers}))
+                if s.mmap_sweep:  # the same with glibc returning freed blocks at once (see worker.pin_mmap_threshold)
+                    cases.append(Case(id=f"mem_bf16_{arm}_l{layers}_mmap", kind="memory", arm=arm, hidden=s.hidden,
+                                      layers=layers, batch_size=s.batch_size, steps=s.memory_steps,
+                                      extra={"mmap_threshold": MMAP_THRESHOLD}))
         extras = [a for a in EXTRA_ARMS if s.offload or "offload" not in a]
         for arm in extras:
             cases.append(Case(id=f"mem_bf16_{arm}_l{s.main_layers}", kind="memory", arm=arm, hidden=s.hidden,
@@ -117,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offload", action="store_true", help="include ZeRO-Offload arms in --quick")
     parser.add_argument("--no-offload", dest="no_offload", action="store_true")
     parser.add_argument("--fp32", action="store_true", help="include the fp32 census in --quick")
+    parser.add_argument("--no-mmap-sweep", dest="no_mmap_sweep", action="store_true",
+                        help="skip the second RSS sweep with glibc's mmap threshold pinned to 64 KiB")
     parser.add_argument("--timeout", type=float, default=3600, help="time-out of the whole job (s)")
     parser.add_argument("--no-readme", dest="no_readme", action="store_true", help="do not update benchmarks/README.md")
     parser.add_argument("--report-only", dest="report_only", action="store_true",

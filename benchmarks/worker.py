@@ -348,7 +348,23 @@ def init_process_group(case: Case, rank: int, world: int) -> None:
                             timeout=timedelta(seconds=case.timeout))
 
 
+def pin_mmap_threshold(nbytes: int) -> bool:
+    """glibc: serve every allocation >= nbytes with its own mmap, returned to the OS on free.
+
+    By default glibc raises this threshold as large blocks are freed (up to 32 MiB), after which freed tensor
+    memory stays in the heap and in RSS: peak RSS then measures the allocator's history as much as the model.
+    """
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, nbytes))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def run_child(case: Case, rank: int, world: int, out: Path) -> int:
+    if case.extra.get("mmap_threshold"):
+        pin_mmap_threshold(int(case.extra["mmap_threshold"]))
     torch.set_num_threads(1)
     if not os.environ.get("BENCH_VERBOSE"):
         quiet()

@@ -1,0 +1,61 @@
+"""benchmarks/: the paper's formulas, and the --quick memory benchmark run for real (2 ranks on gloo).
+
+No timing is asserted anywhere: the machine is shared. What is asserted are properties that hold on any
+machine: the census adds up, DDP holds 16 bytes of model state per parameter, and every ZeRO stage holds
+fewer bytes per rank than DDP.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.procs import REPO, run_job
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from report import fit_line, formula  # noqa: E402
+
+
+def test_paper_formulas_at_two_ranks() -> None:
+    # Rajbhandari et al. 2020, mixed-precision Adam: DDP 16Ψ, ZeRO-1 4Ψ+12Ψ/N, ZeRO-2 2Ψ+14Ψ/N, ZeRO-3 16Ψ/N
+    assert [formula(a, "bf16-mixed", 2) for a in ("ddp", "z0", "z1", "z2", "z3")] == [16, 16, 10, 9, 8]
+    assert [formula(a, "32-true", 2) for a in ("ddp", "z1", "z2", "z3")] == [16, 12, 10, 8]
+    assert formula("z3", "bf16-mixed", 8) == 2
+    a, b, r2 = fit_line([1, 2, 3], [12, 22, 32])
+    assert (a, b, r2) == pytest.approx((10, 2, 1))
+
+
+@pytest.mark.multiprocess
+def test_quick_memory_benchmark(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    run_job([sys.executable, str(REPO / "benchmarks" / "run_all.py"), "--quick", "--only", "memory",
+             "--layers", "2", "4", "--out", str(out), "--timeout", "900"], timeout=1000).check()
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert rows[0]["type"] == "meta" and rows[0]["settings"]["world_size"] == 2
+    mem = {r["arm"]: r for r in rows if r["type"] == "memory" and r["precision"] == "bf16-mixed"}
+    assert {"ddp", "z0", "z1", "z2", "z3"} <= set(mem), mem.keys()
+    for arm, r in mem.items():
+        assert r["ok"], (arm, r.get("error"))
+        parts = r["peak_parts_bpp"]
+        assert sum(parts.values()) == pytest.approx(r["peak_bpp"])
+        assert r["peak_ratio"] == pytest.approx(r["peak_bpp"] / r["formula_bpp"])
+        assert r["entry_bpp"] <= r["peak_bpp"] + 1e-9
+    ddp_states = mem["ddp"]["ddp_states_bpp"]
+    assert ddp_states == pytest.approx(16.0, rel=0.01)  # fp32 parameters, gradients, Adam's two moments
+    for arm in ("z1", "z2", "z3"):
+        assert mem[arm]["entry_bpp"] < ddp_states, arm
+        assert mem[arm]["peak_bpp"] < mem["ddp"]["peak_bpp"], arm
+        assert mem[arm]["vs_ddp_states_entry"] < 1.0, arm
+    # what each stage shards: optimizer states from ZeRO-1 on, parameters at ZeRO-3
+    z0, z1, z2, z3 = (mem[a]["peak_parts_bpp"] for a in ("z0", "z1", "z2", "z3"))
+    assert z1["optimizer"] == pytest.approx(z0["optimizer"] / 2, rel=0.02)
+    assert z3["params"] < z2["params"] / 1.5
+    comm = {r["arm"]: r for r in rows if r["type"] == "comm"}
+    assert comm["ddp"]["ring_bytes"] > 0 and comm["z3"]["ring_vs_ddp"] > 0
+    fits = {r["arm"] for r in rows if r["type"] == "rss_fit"}
+    assert fits == {"ddp", "z0", "z1", "z2", "z3"}
+    assert (out / "table.md").read_text().count("|") > 50
