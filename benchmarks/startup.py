@@ -1,7 +1,7 @@
 """Start-up time (process start to first training step, 2 ranks) and the CPU shm op's all-reduce vs gloo.
 
     python benchmarks/startup.py                 # both parts; results in benchmarks/results/startup.{jsonl,md}
-    python benchmarks/startup.py --part startup --warm-repeats 3 --offload
+    python benchmarks/startup.py --part startup --rounds 3 --offload-rounds 1
     python benchmarks/startup.py --part allreduce --iters 30
 
 Every run uses private, fresh ``TORCH_EXTENSIONS_DIR`` temp dirs (never the shared cache).
@@ -11,7 +11,7 @@ Start-up scenarios (each a real 2-rank Lightning job on gloo, ZeRO-2):
   start-up when missing; ``cold`` on an empty cache, ``warm`` once built.
 - ``default``: this project's default (``auto``): never compiles at start-up; ``cold`` on an empty cache,
   ``warm`` with the op prebuilt.
-- ``offload`` (``--offload``): ZeRO-2 with CPU optimizer offload, which needs the ``cpu_adam`` op.
+- ``offload`` (``--offload-rounds N``): ZeRO-2 with CPU optimizer offload, which needs the ``cpu_adam`` op.
 - ``prebuild``: ``python -m lightning_gaudi_ds.ops build OP`` on an empty cache (what scripts/setup.sh runs).
 
 All-reduce: 2 ranks with ``LOCAL_SIZE=2`` (so DeepSpeed's kernel engages), the same tensors reduced by
@@ -67,10 +67,8 @@ def training_job(argv: list[str]) -> None:
             return nn.functional.mse_loss(self.net(x), y)
 
         def configure_optimizers(self) -> Any:
-            if args.offload:
-                from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-                return DeepSpeedCPUAdam(self.parameters(), lr=1e-3)
+            if args.offload:  # the strategy steps it with DeepSpeedCPUAdam (the cpu_adam op)
+                return torch.optim.AdamW(self.parameters(), lr=1e-3)
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     torch.set_num_threads(1)
@@ -170,23 +168,26 @@ def prebuild(ext: Path, op: str) -> float:
     return round(seconds, 2)
 
 
-def part_startup(warm_repeats: int, offload: bool, emit: Any) -> Path:
-    """Cold and warm start-ups; returns an extensions dir with the shm op built (for the all-reduce part)."""
-    ext_jit = _fresh_ext_dir("jit")
-    emit({"scenario": "deepspeed_jit", "cache": "cold", **run_startup(ext_jit, "on")})
-    emit({"scenario": "default", "cache": "cold", **run_startup(_fresh_ext_dir("default"), "auto")})
+def part_startup(rounds: int, offload_rounds: int, emit: Any) -> Path:
+    """Cold and warm start-ups, interleaved in rounds so each pair meets the same machine load.
+
+    Returns an extensions dir with the shm op prebuilt (for the all-reduce part).
+    """
     ext_pre = _fresh_ext_dir("prebuilt")
     emit({"scenario": "prebuild", "op": "deepspeed_shm_comm", "seconds": prebuild(ext_pre, "deepspeed_shm_comm")})
-    for _ in range(warm_repeats):  # interleaved
+    for _ in range(rounds):
+        ext_jit = _fresh_ext_dir("jit")
+        emit({"scenario": "deepspeed_jit", "cache": "cold", **run_startup(ext_jit, "on")})
         emit({"scenario": "deepspeed_jit", "cache": "warm", **run_startup(ext_jit, "on")})
+        emit({"scenario": "default", "cache": "cold", **run_startup(_fresh_ext_dir("default"), "auto")})
         emit({"scenario": "default", "cache": "warm", **run_startup(ext_pre, "auto")})
-    if offload:
-        ext_off = _fresh_ext_dir("offload")
-        emit({"scenario": "offload", "cache": "cold", **run_startup(ext_off, "auto", offload=True)})
-        for _ in range(warm_repeats):
-            emit({"scenario": "offload", "cache": "warm", **run_startup(ext_off, "auto", offload=True)})
-        emit({"scenario": "prebuild", "op": "cpu_adam", "seconds": prebuild(_fresh_ext_dir("adam"), "cpu_adam")})
-    return ext_jit
+    if offload_rounds:
+        ext_adam = _fresh_ext_dir("adam")
+        emit({"scenario": "prebuild", "op": "cpu_adam", "seconds": prebuild(ext_adam, "cpu_adam")})
+        for _ in range(offload_rounds):
+            emit({"scenario": "offload", "cache": "cold", **run_startup(_fresh_ext_dir("offload"), "auto", True)})
+            emit({"scenario": "offload", "cache": "warm", **run_startup(ext_adam, "auto", True)})
+    return ext_pre
 
 
 def part_allreduce(ext: Path, iters: int, sizes: str, emit: Any) -> None:
@@ -222,6 +223,10 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"# Start-up and shm all-reduce ({meta['when']})", "",
              f"Machine: {meta['cpus']} CPUs, load average at start {meta['loadavg']}; torch {meta['torch']},"
              f" deepspeed {meta['deepspeed']}, lightning {meta['lightning']}. Command: `{meta['command']}`", ""]
+    lines += ["Scenarios: `deepspeed_jit` = DeepSpeed's own behaviour (`LIGHTNING_GAUDI_DS_SHM_COMM=on`: the shm op"
+              " is compiled at start-up when missing); `default` = this project's default (`auto`: never compiles at"
+              " start-up; training's all-reduce does not use the op); `offload` = ZeRO-2 with CPU optimizer offload"
+              " (needs `cpu_adam`). `cold` = empty TORCH_EXTENSIONS_DIR, `warm` = ops already built.", ""]
     starts = [r for r in rows if "startup_s" in r]
     if starts:
         lines += ["## Start-up: process start to first training step, 2 ranks (median; n runs)", "",
@@ -259,8 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("all", "startup", "allreduce"), default="all")
-    parser.add_argument("--warm-repeats", type=int, default=3)
-    parser.add_argument("--offload", action="store_true", help="also measure ZeRO-Offload (cpu_adam op) start-up")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of cold+warm start-ups (interleaved)")
+    parser.add_argument("--offload-rounds", type=int, default=0,
+                        help="rounds of cold+warm ZeRO-Offload start-ups (the cpu_adam op; slow to build)")
     parser.add_argument("--iters", type=int, default=30, help="all-reduce iterations (median), >= 20")
     parser.add_argument("--sizes", default="1024,16384,262144,4194304", help="all-reduce sizes (elements)")
     parser.add_argument("--ext", type=Path, help="all-reduce part: a TORCH_EXTENSIONS_DIR to (re)use and keep")
@@ -288,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     ext = None
     try:
         if args.part in ("all", "startup"):
-            ext = part_startup(args.warm_repeats, args.offload, emit)
+            ext = part_startup(args.rounds, args.offload_rounds, emit)
         if args.part in ("all", "allreduce"):
             if args.ext is not None:
                 ext = args.ext
@@ -300,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for path in _EXT_DIRS:
             shutil.rmtree(path, ignore_errors=True)
-    (RESULTS / f"{args.tag}.md").write_text(markdown(rows, meta))
+        (RESULTS / f"{args.tag}.md").write_text(markdown(rows, meta))
     print(f"wrote {jsonl} and {RESULTS / f'{args.tag}.md'}")
     return 0
 
