@@ -572,9 +572,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return print_build_results(build_ops(args.ops))
 
 
-def print_build_results(results: Sequence[BuildResult]) -> int:
+def print_build_results(results: Sequence[BuildResult], file: Any = None) -> int:
+    """One line per op; returns the exit code (1 if any failed)."""
     for r in results:
-        print(f"{r.name:20s} {'ok ' if r.ok else 'FAILED'} {r.seconds:6.1f} s  {r.detail}")
+        print(f"{r.name:20s} {'ok ' if r.ok else 'FAILED'} {r.seconds:6.1f} s  {r.detail}", file=file or sys.stdout)
     return 0 if all(r.ok for r in results) else 1
 
 

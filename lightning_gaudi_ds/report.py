@@ -40,9 +40,9 @@ def run(args: argparse.Namespace) -> int:
         if not cleared:
             print("no stale DeepSpeed build locks")
     if args.build_ops is not None:
-        code = ops.print_build_results(ops.build_ops(args.build_ops or tuple(ops.OPS)))
-        if args.json is False:
-            print()
+        out = sys.stderr if args.json else sys.stdout  # keep --json output parseable
+        code = ops.print_build_results(ops.build_ops(args.build_ops or tuple(ops.OPS)), file=out)
+        print(file=out)
     report = collect()
     print(json.dumps(report, indent=2) if args.json else render(report))
     return code
