@@ -374,6 +374,8 @@ class DistributedRunner:
         if failure is not None:
             self._report(failure, stopped, elapsed, run_dir)
             code = failure.returncode
+        elif code != 0:
+            self._say_stopped(stopped)
         elif stopped.pids:
             _say(f"{len(stopped.pids)} process(es) of the job outlived the launcher and were stopped: {stopped.pids}")
         if code == 0 and not keep:
@@ -438,10 +440,12 @@ class DistributedRunner:
             lines = _tail(failure.log, self.tail_lines)
             _say(f"last {len(lines)} lines of {who} ({failure.log}):")
             sys.stderr.write("".join(f"  | {line}\n" for line in lines))
+        self._say_stopped(stopped)
+
+    def _say_stopped(self, stopped: _Stopped) -> None:
         if stopped.pids:
             _say(f"stopped {len(stopped.pids)} process(es) of the job in {stopped.seconds:.1f} s"
                  f" ({stopped.killed} needed SIGKILL after {self.stop_timeout:g} s).")
-        sys.stderr.flush()
 
 
 # --------------------------------------------------------------------------------------- supervision

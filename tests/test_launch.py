@@ -418,3 +418,13 @@ def test_a_reused_log_dir_does_not_mix_runs(tmp_path: Path) -> None:
     assert DistributedRunner([str(bad)], master_port=0, log_dir=logs).run() == 4
     assert DistributedRunner([str(good)], master_port=0, log_dir=logs).run() == 0  # the old record is not read
     assert sorted(p.read_text() for p in logs.glob("*/rank0.log")) == ["bad\n", "good\n"]
+
+
+def test_cli_spawn_runs_a_module(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from lightning_gaudi_ds.cli import main
+
+    data = tmp_path / "a.json"
+    data.write_text('{"b": [1, 2]}')
+    assert main(["spawn", "--master_port", "0", "-m", "json.tool", "--compact", str(data)]) == 0
+    assert main(["spawn", "--master_port", "0", "-m", "json.tool", str(tmp_path / "missing.json")]) != 0
+    assert "rank 0 failed" in capsys.readouterr().err

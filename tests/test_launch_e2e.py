@@ -5,6 +5,7 @@ job is checked for leftover processes in the process table (every process of a j
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import signal
 import socket
@@ -54,6 +55,12 @@ def finish(job: LiveJob, timeout: float = JOB_TIMEOUT_S) -> JobResult:
         pytest.fail("processes left behind by the job:\n" + "\n".join(described) + f"\n{result.output[-3000:]}")
     assert not result.timed_out, f"job timed out after {result.seconds:.0f}s:\n{result.output[-4000:]}"
     return result
+
+
+def stop_line(result: JobResult) -> str:
+    """The runner's account of how it stopped the job."""
+    lines = [line for line in result.output.splitlines() if line.startswith("lightning-gaudi-ds: stopped")]
+    return lines[-1] if lines else "(the launcher stopped the job by itself)"
 
 
 def check_two_ranks(out: Path, environment: str, reference: list[float]) -> list[dict]:
@@ -184,7 +191,7 @@ def test_rank_failure_stops_every_rank(tmp_path: Path, case: str) -> None:
         victim.kill()
     result = finish(job, timeout=120)
     stopped_after = time.monotonic() - failed_at
-    print(f"\n{case}: every process gone {stopped_after:.1f} s after the rank died")
+    print(f"\n{case}: every process gone {stopped_after:.1f} s after the rank died; {stop_line(result)}")
     assert stopped_after < BOUND_S, result.output[-4000:]
     assert result.returncode == (code if code is not None else result.returncode) and result.returncode != 0
     assert f"lightning-gaudi-ds: rank {named_rank} failed:" in result.output, result.output[-4000:]
@@ -207,7 +214,9 @@ def test_signal_to_runner_stops_every_rank(tmp_path: Path, sig: signal.Signals, 
     job.send_signal(sig)
     result = finish(job, timeout=120)
     stopped_after = time.monotonic() - sent
-    print(f"\n{sig.name}: every process gone {stopped_after:.1f} s after the signal")
+    print(f"\n{sig.name}: every process gone {stopped_after:.1f} s after the signal; {stop_line(result)}")
     assert stopped_after < BOUND_S
     assert result.returncode == 128 + sig, result.output[-4000:]
     assert f"received {sig.name}: stopping every rank" in result.output
+    killed = re.search(r"\((\d+) needed SIGKILL after 5 s\)", result.output)
+    assert killed and int(killed.group(1)) >= 1, result.output[-3000:]  # the ranks ignored SIGTERM, as intended
