@@ -1,11 +1,11 @@
 """Per-rank shim that :class:`~lightning_gaudi_ds.launch.DistributedRunner` puts between a launcher and the script.
 
 ``python path/to/_rank.py script.py args...`` (or ``-m module args...``; run by path so that the package and
-its heavy imports are not loaded) runs the script as a child,
-copies its output to this process's stdout and to ``<run dir>/rank<R>.log``, and records what happened to it
-in ``<run dir>/rank<R>.json`` ("pid", "child_pid", "host", then "returncode"), so the runner learns which rank
-failed and how, whatever launcher sits in between. SIGTERM/SIGINT/SIGHUP are passed on to the script; the
-script gets SIGKILL if this shim dies. Without ``LIGHTNING_GAUDI_DS_RUN_DIR`` it simply becomes the script.
+its heavy imports are not loaded) runs the script as a child, copies its output to this process's stdout and to
+``<run dir>/rank<R>.log``, and records what happened to it in ``<run dir>/rank<R>.json`` ("pid", "child_pid",
+"host", then "returncode"), so the runner learns which rank failed and how, whatever launcher sits in between.
+SIGTERM/SIGINT/SIGHUP are passed on to the script, and SIGKILL follows ``LIGHTNING_GAUDI_DS_STOP_TIMEOUT`` s
+later; the script gets SIGKILL if this shim dies. Without ``LIGHTNING_GAUDI_DS_RUN_DIR`` it becomes the script.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 RUN_DIR_ENV = "LIGHTNING_GAUDI_DS_RUN_DIR"
+STOP_TIMEOUT_ENV = "LIGHTNING_GAUDI_DS_STOP_TIMEOUT"  # seconds from a forwarded signal to SIGKILL (default 10)
 # Global rank as each launcher announces it; the first one present wins.
 _RANK_KEYS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
 _MPI_KEYS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
@@ -116,9 +117,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         }
         _write_json(record_path, record)
 
+        grace = float(os.environ.get(STOP_TIMEOUT_ENV) or 10.0)
+        escalation: list[threading.Timer] = []
+
         def forward(signum: int, frame: Any) -> None:
+            # Pass the signal on; a script that ignores it (Lightning only takes note of SIGTERM) gets SIGKILL
+            # after the grace period, so the rank ends even when nobody is left to escalate (runner killed).
             if child.poll() is None:
                 child.send_signal(signum)
+                if not escalation:
+                    escalation.append(threading.Timer(grace, child.kill))
+                    escalation[0].daemon = True
+                    escalation[0].start()
 
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, forward)

@@ -36,7 +36,7 @@ from typing import IO, Any, Optional, Sequence, Union
 
 import psutil
 
-from lightning_gaudi_ds._rank import RUN_DIR_ENV
+from lightning_gaudi_ds._rank import RUN_DIR_ENV, STOP_TIMEOUT_ENV
 
 RUN_ID_ENV = "LIGHTNING_GAUDI_DS_RUN_ID"
 # Run by path, not with -m: importing the package would import lightning and deepspeed once more per rank.
@@ -290,14 +290,15 @@ class DistributedRunner:
             cmd += ["--hostfile", str(self.hostfile)]
         elif self.world_size > (os.cpu_count() or 1):
             cmd.append("--oversubscribe")
-        for key in ("MASTER_ADDR", "MASTER_PORT", RUN_DIR_ENV, RUN_ID_ENV, "PYTHONPATH", "PYTHONUNBUFFERED", "PATH"):
+        for key in ("MASTER_ADDR", "MASTER_PORT", RUN_DIR_ENV, RUN_ID_ENV, STOP_TIMEOUT_ENV, "PYTHONPATH",
+                    "PYTHONUNBUFFERED", "PATH"):
             cmd += ["-x", key]  # exported to every node: Open MPI passes only these to remote ranks
         return cmd + [sys.executable, "-u", *_SHIM, *user]
 
     def _environment(self, run_dir: Path, token: str, port: int) -> dict[str, str]:
         env = dict(os.environ)
         env.update({RUN_DIR_ENV: str(run_dir), RUN_ID_ENV: token, "MASTER_ADDR": self.master_addr,
-                    "MASTER_PORT": str(port)})
+                    "MASTER_PORT": str(port), STOP_TIMEOUT_ENV: str(self.stop_timeout)})
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.setdefault("PYTHONPATH", "")
         if self.use_mpi:

@@ -428,3 +428,26 @@ def test_cli_spawn_runs_a_module(tmp_path: Path, capsys: pytest.CaptureFixture) 
     assert main(["spawn", "--master_port", "0", "-m", "json.tool", "--compact", str(data)]) == 0
     assert main(["spawn", "--master_port", "0", "-m", "json.tool", str(tmp_path / "missing.json")]) != 0
     assert "rank 0 failed" in capsys.readouterr().err
+
+
+def test_killing_the_runner_leaves_no_rank_behind(tmp_path: Path) -> None:
+    """SIGKILL to the runner: its launcher gets SIGTERM (PDEATHSIG), the shim passes it on, then SIGKILLs the
+    script that ignores it. Every process of the job must be gone a few seconds later."""
+    import signal
+    import time
+
+    from tests.procs import LiveJob
+
+    body = "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(300)\n"
+    job = LiveJob([sys.executable, "-m", "lightning_gaudi_ds", "spawn", "--master_port", "0", "--stop_timeout", "2",
+                   str(script(tmp_path, "stubborn.py", body))])
+    try:
+        job.wait_for("ready", timeout=120)
+        assert len(job.leftovers()) >= 3  # runner, shim, script
+        job.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while job.leftovers() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not job.leftovers()
+    finally:
+        job.kill()
