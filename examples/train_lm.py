@@ -374,7 +374,9 @@ class RunReport(L.Callback):
             if ds_config.exists():
                 lines.append(f"ds config:  {ds_config} (as resolved for this run)")
         if checkpoint is not None:
-            lines.append(f"checkpoint: {checkpoint} (one shard per process; resume with --ckpt_path {checkpoint})")
+            lines.append(f"checkpoint: {checkpoint} (sharded: one part per process)")
+            lines.append(f"            resume: --ckpt_path {checkpoint}")
+            lines.append(f"            one fp32 file: lightning-gaudi-ds convert {checkpoint} model.pt")
         if self.sample is not None:
             lines += [f"sample:     {self.sample_tokens} bytes after {self.prompt!r}", "-" * 78, self.sample, "-" * 78]
         return "\n".join(lines)

@@ -184,6 +184,23 @@ def _summary_field(out: str, name: str) -> str:
     return match.group(1)
 
 
+def _check_checkpoint_exports(out: str, tmp_path: Path) -> None:
+    """The sharded checkpoint converts to one fp32 file that loads without DeepSpeed and scores like the run."""
+    from lightning_gaudi_ds import convert_zero_checkpoint_to_fp32_state_dict
+
+    checkpoint = Path(_summary_field(out, "checkpoint").split(" ")[0])
+    convert_zero_checkpoint_to_fp32_state_dict(checkpoint, tmp_path / "model.pt")
+    model = lm.LitGPT.load_from_checkpoint(tmp_path / "model.pt", map_location="cpu")
+    assert model.model.lm_head.weight is model.model.wte.weight
+    dm = lm.TextDataModule(block_size=model.hparams.block_size, batch_size=4)
+    dm.setup("validate")
+    batches = [b for _, b in zip(range(4), dm.val_dataloader())]  # the 2 x 2 batches validated in the run
+    with torch.no_grad():
+        loss = sum(float(model._loss(b)) for b in batches) / len(batches)
+    reported = float(re.search(r"val ([\d.]+)", _summary_field(out, "loss")).group(1))
+    assert abs(loss - reported) < 0.1, (loss, reported)  # fp32 weights vs the bf16 run
+
+
 def _check_run(out: str, stage: int) -> None:
     assert f"(ZeRO stage {stage}), precision bf16-mixed" in _summary_field(out, "run")
     assert "6 steps on 2 x cpu" in _summary_field(out, "run")
@@ -206,6 +223,8 @@ def _check_run(out: str, stage: int) -> None:
 def test_yaml_trains_two_processes(name, tmp_path):
     out = _train(tmp_path, "--config", str(CONFIGS / name))
     _check_run(out, EXPECTED[name][0])
+    if name == "zero2_bf16.yaml":  # the default recipe's checkpoint is usable outside DeepSpeed
+        _check_checkpoint_exports(out, tmp_path)
     if EXPECTED[name][0] == 3:  # the blocks really are partitioned: each process holds about half the parameters
         held = float(re.search(r"holds ([\d.]+)% of the parameters", _summary_field(out, "partition")).group(1))
         assert held < 75.0, out[-3000:]
