@@ -13,18 +13,20 @@ class Arm:
     # DeepSpeed's default for ZeRO-1/2: all-reduce each gradient bucket (False: reduce to the owning rank)
     multi_rank_bucket_allreduce: bool = True
     label: str = ""
+    short: str = ""  # for charts
 
 
 ARMS: dict[str, Arm] = {
-    "ddp": Arm(None, label="Lightning DDP"),
-    "z0": Arm(0, label="ZeRO-0"),
-    "z1": Arm(1, label="ZeRO-1"),
-    "z2": Arm(2, label="ZeRO-2"),
-    "z3": Arm(3, label="ZeRO-3"),
-    "z2_offload": Arm(2, offload_optimizer=True, label="ZeRO-2 + offload optimizer"),
-    "z3_offload": Arm(3, offload_optimizer=True, offload_parameters=True, label="ZeRO-3 + offload optimizer & params"),
-    "z1_reduce": Arm(1, multi_rank_bucket_allreduce=False, label="ZeRO-1, reduce to owner"),
-    "z2_reduce": Arm(2, multi_rank_bucket_allreduce=False, label="ZeRO-2, reduce to owner"),
+    "ddp": Arm(None, label="Lightning DDP", short="DDP"),
+    "z0": Arm(0, label="ZeRO-0", short="Z0"),
+    "z1": Arm(1, label="ZeRO-1", short="Z1"),
+    "z2": Arm(2, label="ZeRO-2", short="Z2"),
+    "z3": Arm(3, label="ZeRO-3", short="Z3"),
+    "z2_offload": Arm(2, offload_optimizer=True, label="ZeRO-2 + offload optimizer", short="Z2\noffload"),
+    "z3_offload": Arm(3, offload_optimizer=True, offload_parameters=True, label="ZeRO-3 + offload optimizer & params",
+                      short="Z3\noffload"),
+    "z1_reduce": Arm(1, multi_rank_bucket_allreduce=False, label="ZeRO-1, reduce to owner", short="Z1\nreduce"),
+    "z2_reduce": Arm(2, multi_rank_bucket_allreduce=False, label="ZeRO-2, reduce to owner", short="Z2\nreduce"),
 }
 
 

@@ -459,7 +459,7 @@ def charts(out: Path, mem: list[dict[str, Any]], rss: list[dict[str, Any]], spee
             bottom = [b + v for b, v in zip(bottom, vals)]
         ax.scatter(xs, [r["formula_bpp"] for r in ok_mem], marker="_", s=900, color="black", zorder=3,
                    label="paper formula")
-        ax.set_xticks(list(xs), [r["label"].replace(" + ", "\n+ ").replace(", ", ",\n") for r in ok_mem], fontsize=7)
+        ax.set_xticks(list(xs), [ARMS[r["arm"]].short for r in ok_mem], fontsize=8)
         ax.set_ylabel("bytes per parameter per rank")
         ax.set_title(f"Model-state bytes per rank at peak (bf16-mixed, N=2, Ψ={ok_mem[0]['params'] / 1e6:.1f}M)")
         ax.legend(fontsize=8)
@@ -496,9 +496,9 @@ def charts(out: Path, mem: list[dict[str, Any]], rss: list[dict[str, Any]], spee
     ok_speed = [r for r in speed if r.get("ok")]
     ok_comm = [r for r in comm if "ring_vs_ddp" in r]
     if ok_speed or ok_comm:
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [1, 2.2]})
         if ok_speed:
-            labels = [ARMS[r["arm"]].label for r in ok_speed]
+            labels = [ARMS[r["arm"]].short for r in ok_speed]
             xs = list(range(len(ok_speed)))
             axes[0].bar([x - 0.2 for x in xs], [r["overhead"] for r in ok_speed], width=0.4, label="Trainer ÷ raw loop")
             axes[0].bar([x + 0.2 for x in xs], [r.get("vs_ddp", 1.0) for r in ok_speed], width=0.4,
@@ -508,13 +508,13 @@ def charts(out: Path, mem: list[dict[str, Any]], rss: list[dict[str, Any]], spee
             axes[0].set_title("Speed ratios", fontsize=9)
             axes[0].legend(fontsize=7)
         if ok_comm:
-            labels = [f"{ARMS[r['arm']].label}\n{r['precision']}" for r in ok_comm]
+            labels = [f"{ARMS[r['arm']].short}\n{r['precision'][:4]}" for r in ok_comm]
             xs = list(range(len(ok_comm)))
             axes[1].bar([x - 0.2 for x in xs], [r["ring_vs_ddp"] for r in ok_comm], width=0.4, label="ring model")
             axes[1].bar([x + 0.2 for x in xs], [r["wchar_vs_ddp"] for r in ok_comm], width=0.4, label="gloo (bytes written)")
             axes[1].scatter(xs, [r.get("theory_vs_ddp", 0) for r in ok_comm], marker="_", s=300, color="black",
                             zorder=3, label="theory")
-            axes[1].set_xticks(xs, labels, fontsize=5.5)
+            axes[1].set_xticks(xs, labels, fontsize=6)
             axes[1].set_title("Bytes sent per rank per step ÷ DDP (same precision)", fontsize=9)
             axes[1].legend(fontsize=7)
         fig.tight_layout()
