@@ -10,6 +10,7 @@ import argparse
 import functools
 import inspect
 import logging
+import os
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
@@ -178,6 +179,10 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         spec = self.device_spec
         if spec.device_type == "hpu":
             hpu.prepare_environment()
+        elif spec.device_type == "cpu" and "LOCAL_SIZE" not in os.environ:
+            # DeepSpeed's CPU accelerator counts devices from LOCAL_SIZE (its launcher sets it) and otherwise runs
+            # `numactl --hardware` in a subprocess on every call: ZeRO-3 calls it for every reduce bucket.
+            os.environ["LOCAL_SIZE"] = str(self.num_processes)
         self._select_deepspeed_accelerator(spec)
         if spec.device_type == "hpu":  # HCCL is prepared before the device is touched
             self.set_world_ranks()

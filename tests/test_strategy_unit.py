@@ -132,3 +132,16 @@ def test_more_than_one_optimizer_is_refused():
     trainer.strategy._lightning_module = model
     with pytest.raises(ValueError, match=r"returned 2 optimizers \['SGD', 'Adam'\].*exactly one optimizer"):
         trainer.strategy._init_optimizers()
+
+
+def test_cpu_local_size_spares_deepspeed_a_numactl_subprocess_per_call(monkeypatch):
+    import subprocess as sp
+
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=HPUDeepSpeedStrategy(stage=3), logger=False)
+    monkeypatch.setattr(trainer.strategy, "setup_distributed", lambda: None)
+    trainer.strategy.setup_environment()
+    monkeypatch.setattr(sp, "check_output", lambda *a, **k: pytest.fail(f"DeepSpeed forked {a}"))
+    assert get_accelerator().device_count() == 2
