@@ -9,8 +9,8 @@ Every run uses private, fresh ``TORCH_EXTENSIONS_DIR`` temp dirs (never the shar
 Start-up scenarios (each a real 2-rank Lightning job on gloo, ZeRO-2):
 - ``deepspeed_jit``: ``LIGHTNING_GAUDI_DS_SHM_COMM=on`` = DeepSpeed's own behaviour, the op compiled at
   start-up when missing; ``cold`` on an empty cache, ``warm`` once built.
-- ``default``: this project's default (``auto``): never compiles at start-up; ``cold`` on an empty cache,
-  ``warm`` with the op prebuilt.
+- ``default``: this project's default (``off``): the op is neither built nor loaded (training's collectives
+  never use it); ``cold`` on an empty cache, ``warm`` with the op prebuilt.
 - ``offload`` (``--offload-rounds N``): ZeRO-2 with CPU optimizer offload, which needs the ``cpu_adam`` op.
 - ``prebuild``: ``python -m lightning_gaudi_ds.ops build OP`` on an empty cache (what scripts/setup.sh runs).
 
@@ -131,6 +131,11 @@ def allreduce_worker(argv: list[str]) -> None:
                         times.setdefault(f"{name}|{str(dtype).split('.')[-1]}|{numel}", []).append(elapsed)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps({"times": times, "vector_kernel_level": level}))
+    tdist.barrier()
+    tdist.destroy_process_group()
+    from lightning_gaudi_ds.ops import _unlink_own_segment
+
+    _unlink_own_segment(rank)  # DeepSpeed leaks its 66 MB /dev/shm segment per rank otherwise
 
 
 # ------------------------------------------------------------------------------------- the driver
@@ -179,14 +184,14 @@ def part_startup(rounds: int, offload_rounds: int, emit: Any) -> Path:
         ext_jit = _fresh_ext_dir("jit")
         emit({"scenario": "deepspeed_jit", "cache": "cold", **run_startup(ext_jit, "on")})
         emit({"scenario": "deepspeed_jit", "cache": "warm", **run_startup(ext_jit, "on")})
-        emit({"scenario": "default", "cache": "cold", **run_startup(_fresh_ext_dir("default"), "auto")})
-        emit({"scenario": "default", "cache": "warm", **run_startup(ext_pre, "auto")})
+        emit({"scenario": "default", "cache": "cold", **run_startup(_fresh_ext_dir("default"), "off")})
+        emit({"scenario": "default", "cache": "warm", **run_startup(ext_pre, "off")})
     if offload_rounds:
         ext_adam = _fresh_ext_dir("adam")
         emit({"scenario": "prebuild", "op": "cpu_adam", "seconds": prebuild(ext_adam, "cpu_adam")})
         for _ in range(offload_rounds):
-            emit({"scenario": "offload", "cache": "cold", **run_startup(_fresh_ext_dir("offload"), "auto", True)})
-            emit({"scenario": "offload", "cache": "warm", **run_startup(ext_adam, "auto", True)})
+            emit({"scenario": "offload", "cache": "cold", **run_startup(_fresh_ext_dir("offload"), "off", True)})
+            emit({"scenario": "offload", "cache": "warm", **run_startup(ext_adam, "off", True)})
     return ext_pre
 
 
@@ -224,8 +229,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              f"Machine: {meta['cpus']} CPUs, load average at start {meta['loadavg']}; torch {meta['torch']},"
              f" deepspeed {meta['deepspeed']}, lightning {meta['lightning']}. Command: `{meta['command']}`", ""]
     lines += ["Scenarios: `deepspeed_jit` = DeepSpeed's own behaviour (`LIGHTNING_GAUDI_DS_SHM_COMM=on`: the shm op"
-              " is compiled at start-up when missing); `default` = this project's default (`auto`: never compiles at"
-              " start-up; training's all-reduce does not use the op); `offload` = ZeRO-2 with CPU optimizer offload"
+              " is compiled at start-up when missing); `default` = this project's default (`off`: the op is neither"
+              " built nor loaded; training's all-reduce never uses it); `offload` = ZeRO-2 with CPU optimizer offload"
               " (needs `cpu_adam`). `cold` = empty TORCH_EXTENSIONS_DIR, `warm` = ops already built.", ""]
     starts = [r for r in rows if "startup_s" in r]
     if starts:
@@ -306,7 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for path in _EXT_DIRS:
             shutil.rmtree(path, ignore_errors=True)
-        (RESULTS / f"{args.tag}.md").write_text(markdown(rows, meta))
+        # The table covers every row in the JSON-lines file (a --part run adds to an earlier one; delete to restart).
+        all_rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()] if jsonl.exists() else rows
+        (RESULTS / f"{args.tag}.md").write_text(markdown(all_rows, meta))
     print(f"wrote {jsonl} and {RESULTS / f'{args.tag}.md'}")
     return 0
 

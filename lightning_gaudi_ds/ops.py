@@ -10,23 +10,27 @@ leaves the file behind, and every later start-up then waits forever, printing no
 
 The owner of a lock is therefore knowable on Linux without FileBaton writing anything: a live owner has the
 lock file open (``/proc/<pid>/fd``), and an orphaned compile still runs with its working directory in the
-build dir (``/proc/<pid>/cwd``). A lock nobody has open and nobody builds under is stale. It is cleared
+build dir (``/proc/<pid>/cwd``; ninja puts each compile in its own process group, so killing a build's
+group leaves them running). A lock nobody has open and nobody builds under is stale. It is cleared
 under our own ``flock`` (so two ranks never both clear, or clear the other's fresh lock), only after a
 second look (same inode, still no holder) a moment later: a releasing owner closes before it removes.
 
-Training's collectives never use the shm op: ``TorchBackend.all_reduce`` is ``torch.distributed.all_reduce``;
-only ``deepspeed.comm.inference_all_reduce`` (AutoTP inference layers) calls the kernel, and only when
-``LOCAL_SIZE == world size`` (DeepSpeed's launcher sets it; Lightning's does not). So by default
-(``LIGHTNING_GAUDI_DS_SHM_COMM=auto``) start-up loads the op when it is already built and can be used, and
-never compiles it; ``on`` builds it when missing (DeepSpeed's behaviour), ``off`` never loads it. Where it is
-not loaded, DeepSpeed is told so (``deepspeed.ops.__compatible_ops__``) before it would try to build it, and
-collectives go through plain ``torch.distributed``.
+Training never uses the shm op: ZeRO's collectives go through ``TorchBackend.all_reduce`` etc., which are
+``torch.distributed`` calls; only ``deepspeed.comm.inference_all_reduce`` (AutoTP inference layers) calls the
+kernel, and only when ``LOCAL_SIZE == world size`` (DeepSpeed's launcher sets it; Lightning's does not). The
+op also costs a 66 MB ``/dev/shm`` segment per rank that DeepSpeed never unlinks. So by default
+(``LIGHTNING_GAUDI_DS_SHM_COMM=off``) the strategy tells DeepSpeed not to build or load it
+(``deepspeed.ops.__compatible_ops__``, read by ``build_shm_op``) and collectives are plain ``torch.distributed``;
+``on`` loads it, building it once when missing (DeepSpeed's own behaviour), and falls back with one warning
+when it cannot be built.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
+import logging
 import os
 import shutil
 import sys
@@ -39,9 +43,10 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 SHM_COMM = "deepspeed_shm_comm"
 CPU_ADAM = "cpu_adam"
 SHM_MODE_ENV = "LIGHTNING_GAUDI_DS_SHM_COMM"
-SHM_MODES = ("auto", "on", "off")
+SHM_MODES = ("off", "on")
 FIX_COMMAND = "lightning-gaudi-ds env --clear-stale-locks"
 BUILD_COMMAND = "lightning-gaudi-ds env --build-ops"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -449,7 +454,8 @@ _fallback_said = False
 
 
 def shm_mode(env: Mapping[str, str] = os.environ) -> str:
-    mode = env.get(SHM_MODE_ENV, "auto").strip().lower() or "auto"
+    """``off`` (default) or ``on``, from ``LIGHTNING_GAUDI_DS_SHM_COMM``."""
+    mode = env.get(SHM_MODE_ENV, "off").strip().lower() or "off"
     if mode not in SHM_MODES:
         raise ValueError(f"{SHM_MODE_ENV}={mode!r} is not one of {', '.join(SHM_MODES)}.")
     return mode
@@ -462,20 +468,33 @@ def _offload_requested(config: Any) -> bool:
     return str(device).lower() in ("cpu", "nvme")
 
 
-def _disable_shm(reason: str, world_size: int, warn: bool = False) -> StartupOps:
-    """Tell DeepSpeed not to build/load the shm op (``build_shm_op`` then returns None); say so once."""
+def _disable_shm(reason: str, world_size: int, warn: bool) -> StartupOps:
+    """Tell DeepSpeed not to build/load the shm op (``build_shm_op`` then returns None); warn once if asked."""
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__[SHM_COMM] = False
     global _fallback_said
-    if not _fallback_said and world_size > 1:
+    if warn and not _fallback_said and world_size > 1:
         _fallback_said = True
-        from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-        message = (f"DeepSpeed's shared-memory comm op is not used ({reason}); collectives use plain"
-                   " torch.distributed. ZeRO training's all-reduce goes through torch.distributed either way.")
-        (rank_zero_warn if warn else rank_zero_info)(message)
+        rank_zero_warn(f"DeepSpeed's shared-memory comm op is not used ({reason}); collectives use plain"
+                       " torch.distributed (ZeRO training's all-reduce always does).")
+    else:
+        log.debug("DeepSpeed's shared-memory comm op is not used: %s", reason)
     return StartupOps("fallback", reason)
+
+
+def shm_segment_name(rank: int, env: Mapping[str, str] = os.environ) -> str:
+    """The POSIX shm segment DeepSpeed's op creates for ``rank`` (shm.cpp ``shm_initialize``)."""
+    return f"deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR', '')}_{env.get('MASTER_PORT', '')}_{rank}"
+
+
+def _unlink_own_segment(rank: int) -> None:
+    # DeepSpeed never unlinks its 66 MB segment per rank: /dev/shm (RAM) fills up run after run. Peers keep
+    # their mapping; by exit every rank has long passed shm_initialize (collectives followed it).
+    with contextlib.suppress(OSError):
+        os.unlink(Path("/dev/shm") / shm_segment_name(rank))
 
 
 def prepare_startup(
@@ -489,17 +508,15 @@ def prepare_startup(
     Clears stale build locks of DeepSpeed's JIT ops, decides whether the CPU shm op is loaded (see the module
     docstring) and, with ZeRO-Offload, loads ``cpu_adam`` (building it once if needed, with a message).
     """
-    result = StartupOps("not used")
     # Ops this run does not load only get a warning for a lock that cannot be judged; loaded ones raise.
-    result.cleared_locks = [str(i.path) for i in clear_stale_locks(tuple(OPS), say, strict=False) if i.state == "stale"]
-    if deepspeed_accelerator == "cpu":
-        result = _prepare_shm(world_size, say, result)
+    cleared = [str(i.path) for i in clear_stale_locks(tuple(OPS), say, strict=False) if i.state == "stale"]
+    result = _prepare_shm(world_size, say) if deepspeed_accelerator == "cpu" else StartupOps("not used")
+    result.cleared_locks = cleared
     if _offload_requested(config):
-        spec = OPS[CPU_ADAM]
-        builder = _ds_builder(spec)
+        builder = _ds_builder(OPS[CPU_ADAM])
         if builder is not None and not installed_ops().get(CPU_ADAM):
             if built_library(CPU_ADAM) is None:
-                say(f"building DeepSpeed's {CPU_ADAM} op for ZeRO-Offload (first run only, about 1-2 min);"
+                say(f"building DeepSpeed's {CPU_ADAM} op for ZeRO-Offload (first run only, 2-5 min on 2 cores);"
                     f" build it ahead with `{BUILD_COMMAND}`")
             try:
                 load_op(CPU_ADAM, builder, say)
@@ -515,43 +532,38 @@ def prepare_startup(
     return result
 
 
-def _prepare_shm(world_size: int, say: Callable[[str], None], result: StartupOps) -> StartupOps:
+def _prepare_shm(world_size: int, say: Callable[[str], None]) -> StartupOps:
     import deepspeed.ops
 
     mode = shm_mode()
     if not deepspeed.ops.__compatible_ops__.get(SHM_COMM, False):
-        return StartupOps("not used", "DeepSpeed reports it incompatible here", cleared_locks=result.cleared_locks)
-    spec = OPS[SHM_COMM]
-    builder = _ds_builder(spec)
+        return StartupOps("not used", "DeepSpeed reports it incompatible here")
+    builder = _ds_builder(OPS[SHM_COMM])
     if builder is None:
-        return StartupOps("not used", "no builder on this DeepSpeed accelerator", cleared_locks=result.cleared_locks)
-    local_size = os.environ.get("LOCAL_SIZE")
-    built = installed_ops().get(SHM_COMM) or built_library(SHM_COMM) is not None
-    reason = ""
+        return StartupOps("not used", "no builder on this DeepSpeed accelerator")
     if mode == "off":
-        reason = f"{SHM_MODE_ENV}=off"
-    elif mode == "auto" and not built:
-        reason = f"not built; `{BUILD_COMMAND}` builds it, {SHM_MODE_ENV}=on builds it at start-up"
-    elif mode == "auto" and local_size != str(world_size):
-        reason = "LOCAL_SIZE is not the world size, so DeepSpeed's kernel would never engage"
-    elif (missing := compiler_missing()) is not None and not built:
-        reason = f"cannot be built: {missing}"
-    if reason:
-        out = _disable_shm(reason, world_size)
-        out.cleared_locks = result.cleared_locks
-        return out
+        return _disable_shm(f"{SHM_MODE_ENV}=off, the default", world_size, warn=False)
+    built = installed_ops().get(SHM_COMM) or built_library(SHM_COMM) is not None
+    if not built and (missing := compiler_missing()) is not None:
+        return _disable_shm(f"it cannot be built: {missing}", world_size, warn=True)
     if not built:
-        say(f"building DeepSpeed's {SHM_COMM} op (first run only, about 1 min on 2 cores);"
+        say(f"building DeepSpeed's {SHM_COMM} op (first run only, 1-4 min on 2 cores);"
             f" build it ahead with `{BUILD_COMMAND}`")
     try:
         load_op(SHM_COMM, builder, say)
     except BuildLockError:
         raise
     except Exception as err:  # every rank sees the same failure (same build dir): all fall back alike
-        out = _disable_shm(f"its build failed: {_short(err)}", world_size, warn=True)
-        out.cleared_locks = result.cleared_locks
-        return out
-    return StartupOps("loaded", mode, [SHM_COMM, *result.loaded], result.cleared_locks)
+        return _disable_shm(f"its build failed: {_short(err)}", world_size, warn=True)
+    if os.environ.get("LOCAL_SIZE") != str(world_size):
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(f"{SHM_MODE_ENV}=on: DeepSpeed's shm kernel engages only when LOCAL_SIZE equals the world"
+                       f" size ({world_size}, all ranks on this machine); LOCAL_SIZE is"
+                       f" {os.environ.get('LOCAL_SIZE')!r}, so the op is loaded but unused.")
+    else:
+        atexit.register(lambda: _unlink_own_segment(int(os.environ.get("RANK", "0"))))  # RANK: set by then
+    return StartupOps("loaded", mode, [SHM_COMM])
 
 
 # ----------------------------------------------------------------------------------------- CLI

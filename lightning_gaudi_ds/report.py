@@ -139,7 +139,7 @@ def render(info: dict[str, Any]) -> str:
         f"C++ compiler          {info['compiler']}",
         f"ninja                 {info['ninja'] or 'not found'}",
         f"torch extensions dir  {info['extensions_root']}",
-        f"shm comm mode         {info['shm_comm_mode']} ({ops.SHM_MODE_ENV}: auto | on | off)",
+        f"shm comm mode         {info['shm_comm_mode']} ({ops.SHM_MODE_ENV}: off | on)",
         "DeepSpeed JIT ops:",
     ]
     for name, op in info["ops"].items():

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import pytest
 
 from lightning_gaudi_ds import ops
-from tests.procs import JOBS, kill_group, run_job
+from tests.procs import JOBS, free_port, kill_group, run_job
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -256,9 +256,11 @@ def _fast_report_init(self: Any, path: Path, say: Any, **kwargs: Any) -> None:
 # ------------------------------------------------------------------------------------- decisions
 def test_shm_mode_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ops.SHM_MODE_ENV, "yes")
-    with pytest.raises(ValueError, match="auto, on, off"):
+    with pytest.raises(ValueError, match="off, on"):
         ops.shm_mode()
-    monkeypatch.setenv(ops.SHM_MODE_ENV, " OFF ")
+    monkeypatch.setenv(ops.SHM_MODE_ENV, " ON ")
+    assert ops.shm_mode() == "on"
+    monkeypatch.delenv(ops.SHM_MODE_ENV)
     assert ops.shm_mode() == "off"
 
 
@@ -278,29 +280,41 @@ def compatible_ops(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, bool]]
 
 
 @pytest.mark.parametrize(
-    ("mode", "built", "local_size", "reason"),
+    ("mode", "cxx", "reason", "warns"),
     [
-        ("off", True, "2", "=off"),
-        ("auto", False, "2", "not built"),
-        ("auto", True, None, "LOCAL_SIZE"),
+        (None, "c++", "=off, the default", False),
+        ("off", "c++", "=off", False),
+        ("on", "/nonexistent/c++", "cannot be built: no C++ compiler", True),
     ],
 )
 def test_fallback_is_decided_before_deepspeed_builds(
-    ext_dir: Path, compatible_ops: dict[str, bool], monkeypatch: pytest.MonkeyPatch,
-    mode: str, built: bool, local_size: str | None, reason: str,
+    ext_dir: Path, compatible_ops: dict[str, bool], monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder,
+    mode: str | None, cxx: str, reason: str, warns: bool,
 ) -> None:
-    monkeypatch.setenv(ops.SHM_MODE_ENV, mode)
-    if local_size is None:
-        monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    if mode is None:
+        monkeypatch.delenv(ops.SHM_MODE_ENV, raising=False)
     else:
-        monkeypatch.setenv("LOCAL_SIZE", local_size)
-    if built:
-        (ext_dir / ops.SHM_COMM).mkdir()
-        (ext_dir / ops.SHM_COMM / f"{ops.SHM_COMM}.so").write_bytes(b"")
+        monkeypatch.setenv(ops.SHM_MODE_ENV, mode)
+    monkeypatch.setenv("CXX", cxx)
     monkeypatch.setattr(ops, "load_op", lambda *a, **k: pytest.fail("must not load or build"))
     result = ops.prepare_startup("cpu", {}, world_size=2, say=lambda s: None)
     assert result.shm_comm == "fallback" and reason in result.reason, result
     assert compatible_ops[ops.SHM_COMM] is False  # deepspeed's build_shm_op() now returns None
+    said = [str(w.message) for w in recwarn if "shared-memory comm op" in str(w.message)]
+    assert len(said) == (1 if warns else 0), said
+
+
+def test_shm_on_loads_the_op_and_warns_when_it_cannot_engage(
+    ext_dir: Path, compatible_ops: dict[str, bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ops.SHM_MODE_ENV, "on")
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    loaded: list[str] = []
+    monkeypatch.setattr(ops, "load_op", lambda name, builder, say: loaded.append(name))
+    with pytest.warns(UserWarning, match="LOCAL_SIZE equals the world size"):
+        result = ops.prepare_startup("cpu", {}, world_size=2, say=lambda s: None)
+    assert result.shm_comm == "loaded" and loaded == [ops.SHM_COMM]
+    assert compatible_ops[ops.SHM_COMM] is True
 
 
 def test_failed_build_falls_back(ext_dir: Path, compatible_ops: dict[str, bool], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -310,7 +324,7 @@ def test_failed_build_falls_back(ext_dir: Path, compatible_ops: dict[str, bool],
         raise RuntimeError("Error building extension 'deepspeed_shm_comm'")
 
     monkeypatch.setattr(ops, "load_op", fail)
-    with pytest.warns(UserWarning, match="build failed"):
+    with pytest.warns(UserWarning, match="its build failed"):
         result = ops.prepare_startup("cpu", {}, world_size=2, say=lambda s: None)
     assert result.shm_comm == "fallback" and compatible_ops[ops.SHM_COMM] is False
 
@@ -368,13 +382,17 @@ def built_shm_ext(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.multiprocess
 def test_two_ranks_clear_a_stale_lock_and_train_with_the_op(built_shm_ext: Path, tmp_path: Path) -> None:
     lock = _plant(built_shm_ext)
-    env = {"TORCH_EXTENSIONS_DIR": str(built_shm_ext), "LOCAL_SIZE": "2"}
+    port = str(free_port())
+    env = {"TORCH_EXTENSIONS_DIR": str(built_shm_ext), "LOCAL_SIZE": "2", ops.SHM_MODE_ENV: "on", "MASTER_PORT": port}
     result = run_job([sys.executable, str(JOBS / "train_job.py"), "--out", str(tmp_path), "--no-eval",
                       "--max-steps", "2"], timeout=240, env=env).check()
     assert "removed a stale DeepSpeed build lock" in result.output
     assert result.output.count("deepspeed_shm_comm_op built successfully") == 2, result.output[-3000:]
     assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
     assert not lock.exists()
+    segments = [Path("/dev/shm") / ops.shm_segment_name(r, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+                for r in range(2)]
+    assert not any(p.exists() for p in segments), "DeepSpeed's shm segments leaked"
 
 
 @pytest.mark.multiprocess
@@ -420,3 +438,12 @@ def test_env_report_names_ops_and_a_stale_lock(ext_dir: Path, capsys: pytest.Cap
     assert report.run(parser.parse_args(["--clear-stale-locks"])) == 0
     assert not lock.exists()
     assert "removed a stale" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_prebuild_without_a_compiler_fails_clearly(ext_dir: Path) -> None:
+    result = run_job([sys.executable, "-m", "lightning_gaudi_ds.ops", "build", ops.SHM_COMM], timeout=300,
+                     env={"TORCH_EXTENSIONS_DIR": str(ext_dir), "CXX": "/bin/false"})
+    assert not result.timed_out and result.returncode == 1, result.output[-3000:]
+    assert f"{ops.SHM_COMM}   FAILED" in result.output and "Error building extension" in result.output
+    assert not (ext_dir / ops.SHM_COMM / "lock").exists()
