@@ -225,9 +225,11 @@ def part_allreduce(ext: Path, iters: int, sizes: str, emit: Any) -> None:
 
 
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    lines = [f"# Start-up and shm all-reduce ({meta['when']})", "",
-             f"Machine: {meta['cpus']} CPUs, load average at start {meta['loadavg']}; torch {meta['torch']},"
-             f" deepspeed {meta['deepspeed']}, lightning {meta['lightning']}. Command: `{meta['command']}`", ""]
+    commands = list(dict.fromkeys(f"`{r['command']}` ({r['when']})" for r in rows if r.get("command")))
+    lines = ["# Start-up and shm all-reduce", "",
+             f"Machine: {meta['cpus']} CPUs, {meta['platform']}; torch {meta['torch']}, deepspeed {meta['deepspeed']},"
+             f" lightning {meta['lightning']}. Rows from: {'; '.join(commands)}.",
+             "The machine was shared with other jobs: see the load averages; medians, not means.", ""]
     lines += ["Scenarios: `deepspeed_jit` = DeepSpeed's own behaviour (`LIGHTNING_GAUDI_DS_SHM_COMM=on`: the shm op"
               " is compiled at start-up when missing); `default` = this project's default (`off`: the op is neither"
               " built nor loaded; training's all-reduce never uses it); `offload` = ZeRO-2 with CPU optimizer offload"
@@ -235,20 +237,27 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     starts = [r for r in rows if "startup_s" in r]
     if starts:
         lines += ["## Start-up: process start to first training step, 2 ranks (median; n runs)", "",
-                  "| scenario | cache | start-up s | n | all runs |", "|---|---|---|---|---|"]
-        groups: dict[tuple[str, str], list[float]] = {}
+                  "| scenario | cache | start-up s | n | all runs | load avg (1 min, mean) |", "|---|---|---|---|---|---|"]
+        groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for r in starts:
-            groups.setdefault((r["scenario"], r["cache"]), []).append(r["startup_s"])
-        for (scenario, cache), vals in groups.items():
-            lines.append(f"| {scenario} | {cache} | {statistics.median(vals):.1f} | {len(vals)} | {', '.join(map(str, vals))} |")
+            groups.setdefault((r["scenario"], r["cache"]), []).append(r)
+        for (scenario, cache), group in groups.items():
+            vals = [r["startup_s"] for r in group]
+            load = statistics.mean(r.get("loadavg", float("nan")) for r in group)
+            lines.append(f"| {scenario} | {cache} | {statistics.median(vals):.1f} | {len(vals)} |"
+                         f" {', '.join(map(str, vals))} | {load:.1f} |")
         lines.append("")
     builds = [r for r in rows if r["scenario"] == "prebuild"]
     if builds:
         lines += ["| prebuild (`python -m lightning_gaudi_ds.ops build OP`, empty cache) | seconds |", "|---|---|"]
         lines += [f"| {r['op']} | {r['seconds']} |" for r in builds] + [""]
     ar = [r for r in rows if r["scenario"] == "allreduce"]
+    ar = [r for r in ar if r.get("when") == ar[-1].get("when")]  # the latest all-reduce run only
     if ar:
+        load = statistics.mean(r.get("loadavg", float("nan")) for r in ar)
         lines += ["## All-reduce, 2 ranks, same tensors: shm op vs gloo (median of per-iteration max over ranks)", "",
+                  f"{ar[0]['iters']} iterations after 5 warm-up, interleaved, alternating which goes first;"
+                  f" load average {load:.1f} on {meta['cpus']} CPUs.", "",
                   "| dtype | elements | bytes | shm µs | gloo µs | gloo / shm |", "|---|---|---|---|---|---|"]
         by = {(r["dtype"], r["numel"], r["method"]): r for r in ar}
         for dtype, numel in sorted({(r["dtype"], r["numel"]) for r in ar}):
@@ -268,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         allreduce_worker(argv[1:])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("all", "startup", "allreduce"), default="all")
+    parser.add_argument("--part", choices=("all", "startup", "allreduce", "table"), default="all",
+                        help="table: only rewrite the markdown from the JSON-lines file")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of cold+warm start-ups (interleaved)")
     parser.add_argument("--offload-rounds", type=int, default=0,
                         help="rounds of cold+warm ZeRO-Offload start-ups (the cpu_adam op; slow to build)")
@@ -282,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     import lightning
     import torch
 
-    meta = {"when": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "loadavg": os.getloadavg()[0],
+    meta = {"when": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "loadavg": round(os.getloadavg()[0], 2),
             "torch": torch.__version__, "deepspeed": deepspeed.__version__, "lightning": lightning.__version__,
             "platform": platform.platform(), "command": "python benchmarks/startup.py " + " ".join(argv)}
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -290,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
 
     def emit(row: dict[str, Any]) -> None:
-        row = {**row, "loadavg": round(os.getloadavg()[0], 2)}
+        row = {**row, "loadavg": round(os.getloadavg()[0], 2), "command": meta["command"]}
         rows.append(row)
         print(json.dumps(row), flush=True)
         with jsonl.open("a") as f:
