@@ -153,6 +153,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             **kwargs,
         )
         self._mark_step: Optional[Callable[[], None]] = None
+        self._owns_local_size = False
 
     # ----------------------------------------------------------------------------------------- set-up
     @property
@@ -182,7 +183,9 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         elif spec.device_type == "cpu" and "LOCAL_SIZE" not in os.environ:
             # DeepSpeed's CPU accelerator counts devices from LOCAL_SIZE (its launcher sets it) and otherwise runs
             # `numactl --hardware` in a subprocess on every call: ZeRO-3 calls it for every reduce bucket.
+            # Removed again in teardown, so a later Trainer in this process never reads it as a launcher's.
             os.environ["LOCAL_SIZE"] = str(self.num_processes)
+            self._owns_local_size = True
         self._select_deepspeed_accelerator(spec)
         if spec.device_type == "hpu":  # HCCL is prepared before the device is touched
             self.set_world_ranks()
@@ -349,10 +352,18 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        # HCCL reduces with sum/min/max only: do "mean" as sum / world size there.
-        if self.device_spec.backend == "hccl" and isinstance(tensor, Tensor) and _is_mean(reduce_op):
-            return super().reduce(tensor, group, "sum") / self.world_size
+        # HCCL reduces with sum/min/max only: do "mean" as sum / (ranks in the group) there.
+        if self._get_process_group_backend() == "hccl" and isinstance(tensor, Tensor) and _is_mean(reduce_op):
+            size = torch.distributed.get_world_size(group) if group is not None else self.world_size
+            return super().reduce(tensor, group, "sum") / size
         return super().reduce(tensor, group, reduce_op)
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        if self._owns_local_size:
+            os.environ.pop("LOCAL_SIZE", None)
+            self._owns_local_size = False
 
     # -------------------------------------------- DeepSpeed JSON config (issue 3): load, "auto", contradictions
     # Lightning's __init__ calls _load_config; setup (and ZeRO-3's model_sharded_context) call _init_config_if_needed
@@ -375,7 +386,10 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     def _init_config_if_needed(self) -> None:
         # Lightning formats once; resolve again when a fit follows validate/test/predict or comes from a new Trainer.
         trainer = getattr(self.lightning_module, "_trainer", None)
-        key = (id(trainer), trainer.state.fn if trainer is not None else None)
+        # ZeRO-3's model_sharded_context resolves before configure_model has built any parameter: resolve again
+        # at setup once the model exists, so bucket sizes come from it.
+        has_params = self.lightning_module is not None and any(True for _ in self.lightning_module.parameters())
+        key = (id(trainer), trainer.state.fn if trainer is not None else None, has_params)
         if not self._config_initialized or key != self._config_resolved_for:
             self._format_config()
             self._config_initialized = True

@@ -8,13 +8,16 @@ PY=${PYTHON:-python3}
 if ! command -v mpirun >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-    $SUDO apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends openmpi-bin libopenmpi-dev >/dev/null
+    { $SUDO apt-get update -qq >/dev/null \
+      && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+           openmpi-bin libopenmpi-dev >/dev/null; } \
+      || echo "setup.sh: Open MPI could not be installed: --use_mpi and its tests need mpirun" >&2
   else
     echo "setup.sh: no mpirun and no apt-get: install Open MPI yourself for --use_mpi and its tests" >&2
   fi
 fi
-if [ ! -x .venv/bin/python ]; then
+if [ ! -x .venv/bin/pip ]; then  # pip, not python: a half-made venv (no ensurepip) is made again
+  rm -rf .venv
   "$PY" -m venv .venv
 fi
 # shellcheck disable=SC1091

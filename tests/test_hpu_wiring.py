@@ -34,9 +34,9 @@ class Tiny(L.LightningModule):
 
 @pytest.fixture
 def gaudi(monkeypatch):
-    for key in HPU_ENV:
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+    for key in (*HPU_ENV, "PT_HPU_LAZY_MODE"):  # set then delete: pytest records it and restores the absence
+        monkeypatch.setenv(key, "x")
+        monkeypatch.delenv(key)
     return hpu_double.install(monkeypatch)
 
 
@@ -69,7 +69,8 @@ def test_setup_environment_env_defaults_hccl_and_rank_args(gaudi, monkeypatch, c
     trainer = hpu_trainer()
     strategy = trainer.strategy
     seen = {}
-    monkeypatch.setattr(strategy, "_select_deepspeed_accelerator", lambda spec: gaudi.record("ds_accelerator", spec.deepspeed_accelerator))
+    # env defaults must be in place before DeepSpeed's HPU accelerator is created (it reads them)
+    monkeypatch.setattr(strategy, "_select_deepspeed_accelerator", lambda spec: gaudi.record("ds_accelerator", os.environ.get("DEEPSPEED_USE_HPU")))
     monkeypatch.setattr(strategy, "_init_deepspeed_distributed", lambda: seen.setdefault("backend", strategy._get_process_group_backend()))
     monkeypatch.setattr(HPUAccelerator, "setup_device", lambda self, device: gaudi.record("setup_device", device))
     with caplog.at_level(logging.INFO, logger="lightning_gaudi_ds"):
@@ -82,6 +83,7 @@ def test_setup_environment_env_defaults_hccl_and_rank_args(gaudi, monkeypatch, c
     init = dict(gaudi.calls)["initialize_distributed_hpu"]
     assert init == {"world_size": 2, "rank": 0, "local_rank": 0}
     assert gaudi.names() == ["ds_accelerator", "initialize_distributed_hpu", "setup_device"]
+    assert dict(gaudi.calls)["ds_accelerator"] == "true"
     assert strategy._deepspeed_args().device_rank == 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 
@@ -139,9 +140,13 @@ def test_cpu_local_size_spares_deepspeed_a_numactl_subprocess_per_call(monkeypat
 
     from deepspeed.accelerator import get_accelerator
 
-    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_SIZE", "x")
+    monkeypatch.delenv("LOCAL_SIZE")  # recorded, so pytest restores the variable's absence afterwards
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=HPUDeepSpeedStrategy(stage=3), logger=False)
     monkeypatch.setattr(trainer.strategy, "setup_distributed", lambda: None)
     trainer.strategy.setup_environment()
-    monkeypatch.setattr(sp, "check_output", lambda *a, **k: pytest.fail(f"DeepSpeed forked {a}"))
-    assert get_accelerator().device_count() == 2
+    with monkeypatch.context() as m:
+        m.setattr(sp, "check_output", lambda *a, **k: pytest.fail(f"DeepSpeed forked {a}"))
+        assert get_accelerator().device_count() == 2
+    trainer.strategy.teardown()
+    assert "LOCAL_SIZE" not in os.environ  # a later Trainer must not take it for a launcher's

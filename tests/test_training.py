@@ -6,11 +6,13 @@ bf16 must train; every run also validates, tests and predicts after fit; ZeRO mu
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 
 import pytest
 
-from tests.procs import run_train_job
+from tests.procs import run_job, run_train_job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -92,3 +94,28 @@ def test_offload_trains_with_a_torch_adamw(tmp_path, stage, flags):
         losses = rank["step_losses"]
         assert sum(losses[-2:]) < 0.8 * sum(losses[:2]), losses
         assert_evaluation_after_fit(rank)
+
+
+def test_zero3_model_from_configure_model_gets_model_sized_buckets(tmp_path):
+    """ZeRO-3 resolves its config before configure_model builds the model; buckets must still come from it."""
+    script = tmp_path / "z3.py"
+    script.write_text(
+        "import json, sys, torch, lightning as L\n"
+        "from lightning.pytorch.demos.boring_classes import BoringModel\n"
+        "from lightning_gaudi_ds import HPUDeepSpeedStrategy\n"
+        "class M(BoringModel):\n"
+        "    def __init__(self):\n"
+        "        L.LightningModule.__init__(self); self.layer = None\n"
+        "    def configure_model(self):\n"
+        "        if self.layer is None: self.layer = torch.nn.Linear(32, 2)\n"
+        "s = HPUDeepSpeedStrategy(stage=3)\n"
+        "t = L.Trainer(accelerator='cpu', devices=1, strategy=s, max_steps=1, logger=False,\n"
+        "              enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,\n"
+        "              default_root_dir=sys.argv[1])\n"
+        "t.fit(M())\n"
+        "print('ZERO=' + json.dumps(s.config['zero_optimization']))\n"
+    )
+    result = run_job([sys.executable, str(script), str(tmp_path)], timeout=300).check()
+    zero = json.loads(result.output.split("ZERO=")[1].splitlines()[0])
+    assert zero["reduce_bucket_size"] == 2**2  # hidden size 2: the smaller side of the largest weight
+    assert zero["stage3_param_persistence_threshold"] == 10 * 2
