@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/setup.sh
-python -m pytest -q "$@"
+python -m pytest -q --durations=15 "$@"
