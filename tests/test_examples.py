@@ -170,7 +170,7 @@ def test_yaml_parses_to_the_recipe(name, tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------- real 2-process runs
-def _train(tmp_path: Path, *args: str, timeout: float = 240):
+def _train(tmp_path: Path, *args: str, timeout: float = 420):  # ~30-60 s; slack for a loaded machine
     result = run_job([sys.executable, str(EXAMPLES / "train_lm.py"), "fit", *args, *TINY,
                       "--trainer.default_root_dir", str(tmp_path)], timeout=timeout).check()
     out = result.output
