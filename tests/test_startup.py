@@ -445,5 +445,5 @@ def test_prebuild_without_a_compiler_fails_clearly(ext_dir: Path) -> None:
     result = run_job([sys.executable, "-m", "lightning_gaudi_ds.ops", "build", ops.SHM_COMM], timeout=300,
                      env={"TORCH_EXTENSIONS_DIR": str(ext_dir), "CXX": "/bin/false"})
     assert not result.timed_out and result.returncode == 1, result.output[-3000:]
-    assert f"{ops.SHM_COMM}   FAILED" in result.output and "Error building extension" in result.output
+    assert f"{ops.SHM_COMM}   FAILED" in result.output and "/bin/false" in result.output  # torch's reason
     assert not (ext_dir / ops.SHM_COMM / "lock").exists()
