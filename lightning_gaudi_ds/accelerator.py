@@ -6,12 +6,12 @@ from typing import Any, Union
 
 import torch
 from lightning.fabric.accelerators.registry import _AcceleratorRegistry
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.types import _DEVICE
 from lightning.pytorch.accelerators import Accelerator
 from typing_extensions import override
 
 from lightning_gaudi_ds import hpu
-from lightning_gaudi_ds.devices import hpu_available
 
 
 class HPUAccelerator(Accelerator):
@@ -24,7 +24,7 @@ class HPUAccelerator(Accelerator):
     @override
     def setup_device(self, device: torch.device) -> None:
         if device.type != "hpu":
-            raise ValueError(f"HPUAccelerator got device {device}; expected an 'hpu' device.")
+            raise MisconfigurationException(f"HPUAccelerator got device {device}; expected an 'hpu' device.")
 
     @override
     def get_device_stats(self, device: _DEVICE) -> dict[str, Any]:
@@ -40,17 +40,26 @@ class HPUAccelerator(Accelerator):
     @override
     def parse_devices(devices: Union[int, str, list[int]]) -> int:
         if isinstance(devices, (list, tuple)):
-            return len(devices)
+            # Each rank opens the card its local rank maps to through HABANA_VISIBLE_MODULES; an index list
+            # would silently run on modules 0..n-1.
+            visible = ",".join(str(d) for d in devices)
+            raise MisconfigurationException(
+                f"`Trainer(accelerator='hpu', devices={list(devices)!r})`: HPUs are chosen by count, not by index."
+                f" To train on Gaudi modules {visible}, start Python with HABANA_VISIBLE_MODULES={visible} and pass"
+                f" `Trainer(devices={len(devices)})`."
+            )
         if devices == "auto" or devices == -1 or devices == "-1":
             return hpu.device_count()
         try:
             count = int(devices)
         except (TypeError, ValueError):
-            raise ValueError(
-                f"`Trainer(devices={devices!r})` is not valid for HPUs; pass a positive int, a list, or 'auto'."
+            raise MisconfigurationException(
+                f"`Trainer(devices={devices!r})` is not valid for HPUs; pass a positive int or 'auto'."
             ) from None
         if count < 1:
-            raise ValueError(f"`Trainer(devices={devices!r})`: at least one HPU is needed; pass devices >= 1.")
+            raise MisconfigurationException(
+                f"`Trainer(devices={devices!r})`: at least one HPU is needed; pass devices >= 1."
+            )
         return count
 
     @staticmethod
@@ -67,7 +76,12 @@ class HPUAccelerator(Accelerator):
     @staticmethod
     @override
     def is_available() -> bool:
-        return hpu_available()
+        return hpu.hpu_available()
+
+    @staticmethod
+    def get_device_name() -> str:
+        """The card's name: ``"GAUDI"`` (first generation), ``"GAUDI2"``, ``"GAUDI3"``."""
+        return hpu.device_name()
 
     @staticmethod
     @override

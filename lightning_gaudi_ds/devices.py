@@ -1,19 +1,29 @@
 """One table of what each device type needs: process-group backend, DeepSpeed accelerator, precisions.
 
-Nothing here imports a hardware SDK at module level; detection imports ``habana_frameworks`` lazily.
+Nothing here imports a hardware SDK at module level; :mod:`lightning_gaudi_ds.hpu` imports ``habana_frameworks``
+lazily. Also the device-neutral checks the strategy runs at set-up: determinism, moving a module with tied weights.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Optional, Union
 
 import torch
+from lightning.pytorch.utilities import find_shared_parameters, set_shared_parameters
+from torch.nn import Module
+
+from lightning_gaudi_ds import hpu
+from lightning_gaudi_ds.hpu import habana_frameworks_installed, hpu_available
 
 log = logging.getLogger(__name__)
+
+__all__ = [
+    "DEVICES", "DeviceSpec", "apply_env_defaults", "detect_device_type", "deterministic_mismatch", "device_spec",
+    "habana_frameworks_installed", "hpu_available", "move_keeping_tied_parameters", "validate_precision",
+]
 
 ALL_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
 
@@ -37,11 +47,7 @@ DEVICES: dict[str, DeviceSpec] = {
         "hccl",
         "hpu",
         ALL_PRECISIONS,
-        env_defaults={
-            "DEEPSPEED_USE_HPU": "true",
-            "PT_HPU_LAZY_ACC_PAR_MODE": "0",
-            "PT_HPU_ENABLE_REFINE_DYNAMIC_SHAPES": "0",
-        },
+        env_defaults=hpu.ENV_DEFAULTS,
     ),
 }
 
@@ -67,6 +73,13 @@ def validate_precision(precision: str, device: torch.device | str) -> None:
             f"`Trainer(precision={precision!r})` is not supported by HPUDeepSpeedStrategy on {spec.device_type!r}."
             f" Supported on {spec.device_type}: {', '.join(spec.precisions)}.{hint}"
         )
+    # First-generation Gaudi has no float16: without this check deepspeed.initialize fails deep inside.
+    if spec.device_type == "hpu" and precision.startswith("16") and habana_frameworks_installed():
+        if not hpu.fp16_supported():
+            raise ValueError(
+                f"`Trainer(precision={precision!r})`: this Gaudi ({hpu.device_name()}, first generation) does not"
+                " compute in float16. Use precision='bf16-mixed' (or 'bf16-true'); float16 needs Gaudi2 or later."
+            )
 
 
 def apply_env_defaults(spec: DeviceSpec) -> dict[str, str]:
@@ -81,27 +94,6 @@ def apply_env_defaults(spec: DeviceSpec) -> dict[str, str]:
     return applied
 
 
-def habana_frameworks_installed() -> bool:
-    """Whether the Gaudi software stack can be imported (without importing it)."""
-    try:
-        return importlib.util.find_spec("habana_frameworks.torch") is not None
-    except (ModuleNotFoundError, ValueError):  # ValueError: a module in sys.modules without __spec__
-        return False
-
-
-def hpu_available() -> bool:
-    """Whether at least one Gaudi device is usable from this process."""
-    if not habana_frameworks_installed():
-        return False
-    try:
-        import habana_frameworks.torch.hpu as hthpu
-
-        return bool(hthpu.is_available())
-    except Exception as err:  # a broken install must not break CPU users
-        log.debug("habana_frameworks is installed but unusable: %s", err)
-        return False
-
-
 def detect_device_type() -> str:
     """The device type 'auto' stands for: HPU, then CUDA, then CPU."""
     if hpu_available():
@@ -109,3 +101,44 @@ def detect_device_type() -> str:
     if torch.cuda.is_available():
         return "cuda"
     return "cpu"
+
+
+def deterministic_mismatch(requested: Optional[Union[bool, str]]) -> Optional[str]:
+    """What differs between torch's deterministic mode and ``Trainer(deterministic=requested)``, or None.
+
+    DeepSpeed's HPU accelerator turns deterministic mode on for the whole process when it is created, which on
+    Gaudi happens as soon as ``deepspeed`` is imported, so only a comparison after the fact can tell.
+    """
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    if requested is None or requested is False:
+        if not enabled:
+            return None
+        return (
+            f"torch.use_deterministic_algorithms(True{', warn_only=True' if warn_only else ''}) is in force for this"
+            f" process, but `Trainer(deterministic={requested!r})` did not ask for it: DeepSpeed's HPU accelerator"
+            " turns it on. Some operators run slower or raise in deterministic mode. Pass"
+            " `Trainer(deterministic=True)` to keep it knowingly, or call torch.use_deterministic_algorithms(False)"
+            " in your LightningModule's setup() to undo it."
+        )
+    want_warn_only = requested == "warn"
+    if enabled and warn_only == want_warn_only:
+        return None
+    state = "off" if not enabled else f"warn_only={warn_only}"
+    return (
+        f"`Trainer(deterministic={requested!r})` asked for deterministic algorithms, but they are {state} after"
+        " DeepSpeed's accelerator was set up. Call torch.use_deterministic_algorithms(True"
+        f"{', warn_only=True' if want_warn_only else ''}) in your LightningModule's setup() to restore it."
+    )
+
+
+def move_keeping_tied_parameters(module: Module, device: torch.device) -> Module:
+    """``module.to(device)``, then tie again the parameters that were shared before the move.
+
+    Moving to an HPU (like an XLA device) gives every module its own copy of a shared parameter, so a model that
+    ties its embedding and output head would train two matrices. Lightning's XLA strategy wraps the move the same
+    way.
+    """
+    shared = find_shared_parameters(module)
+    module = module.to(device)
+    return set_shared_parameters(module, shared) if shared else module

@@ -1,26 +1,67 @@
-"""Everything the strategy asks of the Intel Gaudi software stack, in one place.
+"""Everything asked of the Intel Gaudi software stack, in one place.
 
-``habana_frameworks`` is imported inside each function, never at module level, so this module imports on
-any machine. Tests replace ``habana_frameworks`` with a double and assert the calls made here.
+``habana_frameworks`` is imported inside each function, never at module level, so this module imports on any
+machine. Tests replace ``habana_frameworks`` with a double (``tests/hpu_double.py``) that behaves like the real
+import: the execution mode is fixed at the first import, hccl's module-level set-up rewrites the rank variables,
+and DeepSpeed finds the HPU accelerator by itself.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
-from typing import Any, Callable, Optional
+import sys
+from typing import Any, Callable, Literal, Mapping, Optional
 
 import torch
 
-from lightning_gaudi_ds.devices import DEVICES, apply_env_defaults, habana_frameworks_installed
-
 log = logging.getLogger(__name__)
+
+Mode = Literal["eager", "lazy"]
+LAZY_MODE_ENV = "PT_HPU_LAZY_MODE"
+
+# Set where unset before DeepSpeed's HPU accelerator is created (it reads them); the values Habana's integrations use.
+ENV_DEFAULTS: Mapping[str, str] = {
+    "DEEPSPEED_USE_HPU": "true",
+    "PT_HPU_LAZY_ACC_PAR_MODE": "0",
+    "PT_HPU_ENABLE_REFINE_DYNAMIC_SHAPES": "0",
+}
+
+# What remote ranks of a multi-node mpirun need from the launching shell (Open MPI passes only `-x` names): the
+# execution mode and bridge flags, the visible cards, HCCL's network settings, the libraries the bridge loads.
+MPI_FORWARD_PREFIXES = ("PT_HPU_", "PT_HCCL_", "HABANA_", "HCCL_", "HCL_")
+MPI_FORWARD_NAMES = ("LD_LIBRARY_PATH", "GC_KERNEL_PATH", "HABANA_LOGS", "DEEPSPEED_USE_HPU", "TORCHINDUCTOR_COMPILE_THREADS")
 
 MISSING_STACK = (
     "`Trainer(accelerator='hpu')` needs the Intel Gaudi software stack: the Python package"
     " `habana_frameworks.torch` is not installed in this environment. Run inside Habana's PyTorch container"
     " (or install the Gaudi software stack), or choose `accelerator='cpu'`, `'cuda'` or `'auto'`."
 )
+
+
+# ------------------------------------------------------------------------------------------- the stack
+def habana_frameworks_installed() -> bool:
+    """Whether the Gaudi software stack can be imported (without importing it)."""
+    if "habana_frameworks.torch" in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec("habana_frameworks.torch") is not None
+    except (ModuleNotFoundError, ValueError):  # ValueError: a module in sys.modules without __spec__
+        return False
+
+
+def hpu_available() -> bool:
+    """Whether at least one Gaudi device is usable from this process."""
+    if not habana_frameworks_installed():
+        return False
+    try:
+        import habana_frameworks.torch.hpu as hthpu
+
+        return bool(hthpu.is_available())
+    except Exception as err:  # a broken install must not break CPU users
+        log.debug("habana_frameworks is installed but unusable: %s", err)
+        return False
 
 
 def require_stack() -> None:
@@ -43,48 +84,170 @@ def device_count() -> int:
     return int(hthpu.device_count())
 
 
-def is_lazy() -> bool:
-    """Lazy mode (graphs ended by ``mark_step``) unless ``PT_HPU_LAZY_MODE=0`` selects eager mode."""
+def device_name() -> str:
+    """``"GAUDI"`` (first generation), ``"GAUDI2"``, ``"GAUDI3"``, ...; empty without a device."""
+    import habana_frameworks.torch.hpu as hthpu
+
+    return str(hthpu.get_device_name())
+
+
+def fp16_supported() -> bool:
+    """Whether the card computes in float16: first-generation Gaudi does not (bf16 only)."""
+    return device_name() != "GAUDI"
+
+
+def stack_version() -> Optional[str]:
+    """The installed Gaudi PyTorch bridge's version, or None when unknown."""
     try:
-        import habana_frameworks.torch.core as htcore
+        from habana_frameworks.torch import __version__
 
-        if hasattr(htcore, "is_lazy"):
-            return bool(htcore.is_lazy())
+        return str(__version__)
     except ImportError:
-        pass
-    return os.environ.get("PT_HPU_LAZY_MODE", "1") != "0"
+        return None
 
 
-def mark_step_fn() -> Optional[Callable[[], None]]:
-    """``htcore.mark_step`` in lazy mode, else ``None`` (eager mode needs no graph breaks)."""
-    if not is_lazy():
+# -------------------------------------------------------------------------------------- execution mode
+# habana_frameworks loads its lazy or its eager plugin at the first import of `habana_frameworks.torch` (torch's
+# device autoload may do that at `import torch`), from PT_HPU_LAZY_MODE; unset means eager in current releases
+# ("0" = eager + torch.compile, the default path; "1" = lazy, graphs cut by mark_step, a legacy fallback). Once
+# imported, the mode cannot change, so the launcher sets the variable before the ranks start.
+def mode_from_env(environ: Mapping[str, str] = os.environ) -> Mode:
+    """The mode ``habana_frameworks`` chooses when it is first imported with ``environ``."""
+    return "lazy" if environ.get(LAZY_MODE_ENV, "0") not in ("", "0") else "eager"
+
+
+def mode_env(mode: Mode) -> dict[str, str]:
+    """The environment that makes ranks import ``habana_frameworks`` in ``mode``."""
+    return {LAZY_MODE_ENV: "1" if mode == "lazy" else "0"}
+
+
+def imported_mode() -> Optional[Mode]:
+    """The mode ``habana_frameworks`` was imported with, or None when this process has not imported it."""
+    if "habana_frameworks.torch" not in sys.modules:
+        return None
+    # Current releases cache the answer at the first call, which the import makes: the mode actually loaded.
+    from habana_frameworks.torch.utils.internal import is_lazy
+
+    return "lazy" if is_lazy() else "eager"
+
+
+def check_mode(requested: Optional[Mode]) -> Mode:
+    """The mode this process runs in; refuses ``requested`` when ``habana_frameworks`` was imported in the other.
+
+    When the stack is not imported yet, ``requested`` is written to ``PT_HPU_LAZY_MODE`` so the import (and every
+    process started from here) picks it.
+    """
+    if requested not in (None, "eager", "lazy"):
+        raise ValueError(f"`hpu_mode={requested!r}` is not an HPU execution mode. Use 'eager' (with torch.compile,"
+                         " the default) or 'lazy' (the legacy mark_step mode).")
+    current = imported_mode()
+    wanted: Mode = requested or current or mode_from_env()
+    if current is not None and current != wanted:
+        raise RuntimeError(
+            f"HPU execution mode {wanted!r} was requested, but habana_frameworks was already imported in {current!r}"
+            f" mode ({LAZY_MODE_ENV}={os.environ.get(LAZY_MODE_ENV, '<unset>')} at import), and the mode cannot"
+            " change afterwards. Start Python with"
+            f" `{LAZY_MODE_ENV}={mode_env(wanted)[LAZY_MODE_ENV]}` (the `lightning-gaudi-ds spawn --hpu_mode"
+            f" {wanted}` launcher sets it), or drop hpu_mode={requested!r} to run in {current!r} mode."
+        )
+    os.environ.update(mode_env(wanted))  # ranks started from this process import the stack in the same mode
+    return wanted
+
+
+def describe_mode(mode: Mode, compile_backend: Optional[str]) -> str:
+    """One line for the logs: the execution mode and how graphs are built."""
+    if mode == "lazy":
+        return "HPU execution mode: lazy (PT_HPU_LAZY_MODE=1; graphs cut by mark_step, a legacy fallback)"
+    how = f"engine compiled with torch.compile(backend={compile_backend!r})" if compile_backend else "not compiled"
+    return f"HPU execution mode: eager (PT_HPU_LAZY_MODE=0; {how})"
+
+
+def mark_step_fn(mode: Optional[Mode] = None) -> Optional[Callable[[], None]]:
+    """``htcore.mark_step`` in lazy mode (by default the mode this process imported), else ``None``: eager mode
+    has no graphs to cut."""
+    if (mode or imported_mode() or mode_from_env()) != "lazy":
         return None
     import habana_frameworks.torch.core as htcore
 
     return htcore.mark_step
 
 
+# -------------------------------------------------------------------------------------- process set-up
 def prepare_environment() -> dict[str, str]:
-    """Set the HPU environment defaults where unset (logged); return what was set."""
-    return apply_env_defaults(DEVICES["hpu"])
+    """Set :data:`ENV_DEFAULTS` where unset (logged); return what was set."""
+    applied = {key: value for key, value in ENV_DEFAULTS.items() if key not in os.environ}
+    os.environ.update(applied)
+    if applied:
+        log.info("HPUDeepSpeedStrategy set environment defaults: %s", applied)
+    return applied
 
 
 def init_distributed(world_size: int, global_rank: int, local_rank: int) -> None:
     """Register the ``hccl`` backend with torch.distributed and prepare HCCL for this rank."""
     import habana_frameworks.torch.distributed.hccl as hccl  # the import registers the backend
 
-    if hasattr(hccl, "initialize_distributed_hpu"):
-        hccl.initialize_distributed_hpu(world_size=world_size, rank=global_rank, local_rank=local_rank)
+    hccl.initialize_distributed_hpu(world_size=world_size, rank=global_rank, local_rank=local_rank)
 
 
-def is_fused_adam(optimizer: Any) -> bool:
-    """Whether ``optimizer`` is one of Habana's fused optimizers (incompatible with DeepSpeed)."""
+def disable_uninitialized_memory_fill() -> None:
+    """Stop torch filling new tensors with NaN in deterministic mode.
+
+    Upstream DeepSpeed's HPU accelerator does this as a workaround (the fill breaks the bridge's memory mapping);
+    the Gaudi fork does not, and both turn deterministic mode on.
+    """
+    torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+
+
+# -------------------------------------------------------------------------------------- optimizers
+def is_habana_fused_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is one of ``habana_frameworks.torch.hpex.optimizers`` (FusedAdamW, FusedSGD, ...)."""
     module = type(optimizer).__module__ or ""
-    return module.startswith("habana_frameworks") and "fused" in type(optimizer).__name__.lower()
+    return module.startswith("habana_frameworks.torch.hpex.optimizers")
+
+
+def fused_optimizer_problem(optimizer: Any, offloads_optimizer: bool) -> Optional[str]:
+    """Why DeepSpeed cannot train with ``optimizer``, or None when it can.
+
+    A Habana fused optimizer runs HPU kernels on HPU tensors. As DeepSpeed's client optimizer on the card it works
+    (optimum-habana passes FusedAdamW this way). ZeRO-Offload keeps the optimizer states on the CPU and steps them
+    there, where no HPU kernel can run.
+    """
+    if not is_habana_fused_optimizer(optimizer) or not offloads_optimizer:
+        return None
+    return (
+        f"configure_optimizers returned Habana's {type(optimizer).__qualname__}, whose HPU kernels cannot step"
+        " optimizer states that ZeRO-Offload keeps on the CPU. Return torch.optim.AdamW (it becomes"
+        " DeepSpeedCPUAdam under offload), or turn off offload_optimizer to keep the fused optimizer on the card."
+    )
+
+
+# -------------------------------------------------------------------------------------- mpirun on Gaudi
+def mpirun_binding(ranks_per_node: int, physical_cores: Optional[int]) -> list[str]:
+    """Open MPI flags that pin each rank to its own cores, as Habana's launchers do.
+
+    Each rank gets ``physical_cores // ranks_per_node`` cores (its data loader and the bridge's host threads run
+    there). Without a core count, or with fewer cores than ranks, processes are not bound.
+    """
+    per_rank = (physical_cores or 0) // max(ranks_per_node, 1)
+    if per_rank < 1:
+        return ["--bind-to", "none"]
+    return ["--bind-to", "core", "--map-by", f"socket:PE={per_rank}", "--rank-by", "slot"]
+
+
+def mpirun_forward_names(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The variables set in ``environ`` that remote ranks need, for ``mpirun -x NAME``."""
+    return sorted(
+        key for key in environ
+        if key.startswith(MPI_FORWARD_PREFIXES) or key in MPI_FORWARD_NAMES
+    )
+
+
+# Until the strategy is rewired onto the helpers above (its module is being split concurrently).
+def is_fused_adam(optimizer: Any) -> bool:
+    return is_habana_fused_optimizer(optimizer)
 
 
 def warn_if_deterministic_forced(before: bool) -> None:
-    """DeepSpeed's HPU accelerator calls ``torch.use_deterministic_algorithms(True)``; tell the user."""
     if not before and torch.are_deterministic_algorithms_enabled():
         log.warning(
             "DeepSpeed's HPU accelerator turned on torch.use_deterministic_algorithms(True) for this process."
