@@ -14,6 +14,8 @@ from typing import Any, Optional, Sequence
 
 from cases import ARMS, Case
 
+from lightning_gaudi_ds.planning.memory import paper_bytes_per_param, paper_split
+
 HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -27,32 +29,17 @@ COMM_THEORY = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.5}
 
 
 # ------------------------------------------------------------------------------------------ formulas
-def bytes_per_param(precision: str) -> tuple[float, float, float]:
-    """(parameters, gradients, optimizer states) bytes per parameter for Adam: mixed precision keeps 2+2 bytes
-    of bf16 parameters and gradients and 12 of fp32 master weights, momentum and variance; fp32 keeps 4+4 and
-    8 (momentum, variance: the parameters are their own master copy)."""
-    return (2.0, 2.0, 12.0) if precision.startswith("bf16") else (4.0, 4.0, 8.0)
-
-
 def formula(arm: str, precision: str, n: int) -> float:
-    """Model-state bytes per parameter per rank (Rajbhandari et al., 2020), for this arm."""
-    p, g, k = bytes_per_param(precision)
-    stage = ARMS[arm].stage
-    if stage in (None, 0):
-        return p + g + k
-    return {1: p + g + k / n, 2: p + (g + k) / n, 3: (p + g + k) / n}[stage]
+    """Model-state bytes per parameter per rank in the ZeRO paper's accounting, for this arm."""
+    return paper_bytes_per_param(ARMS[arm].stage, precision, n)
 
 
 def formula_split(arm: str, precision: str, n: int) -> Optional[tuple[float, float]]:
-    """(device, host) bytes per parameter with ZeRO-Offload: the optimizer's part (master weights, states and
-    the gradient partition it steps on) on the host; with parameter offload the parameters' partition too."""
+    """(device, host) bytes per parameter with ZeRO-Offload (None without offload)."""
     spec = ARMS[arm]
-    if not spec.offload_optimizer:
+    if not spec.offload_optimizer or spec.stage is None:
         return None
-    p, g, k = bytes_per_param(precision)
-    if spec.offload_parameters:
-        return 0.0, (p + g + k) / n
-    return p, (g + k) / n
+    return paper_split(spec.stage, precision, n, spec.offload_parameters)
 
 
 # ------------------------------------------------------------------------------------------ loading

@@ -11,6 +11,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_gaudi_ds.accelerator import HPUAccelerator
 from lightning_gaudi_ds.checkpoint import convert_zero_checkpoint_to_fp32_state_dict
 from lightning_gaudi_ds.launch import DistributedRunner
+from lightning_gaudi_ds.planning import plan_memory
 from lightning_gaudi_ds.strategy import HPUDeepSpeedStrategy
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "HPUDeepSpeedStrategy",
     "__version__",
     "convert_zero_checkpoint_to_fp32_state_dict",
+    "plan_memory",
 ]
 __version__ = "0.1.0"
 

@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "spawn": ("lightning_gaudi_ds.launch", "launch a training script on N ranks (torchrun, DeepSpeed or MPI)"),
     "convert": ("lightning_gaudi_ds.checkpoint", "convert a sharded ZeRO checkpoint to one fp32 state-dict file"),
     "env": ("lightning_gaudi_ds.report", "print device, versions, built DeepSpeed ops and stale build locks"),
+    "plan": ("lightning_gaudi_ds.planning.command", "predicted memory per rank for ZeRO stages 0-3 and offload"),
 }
 
 

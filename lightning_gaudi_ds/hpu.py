@@ -254,3 +254,10 @@ def warn_if_deterministic_forced(before: bool) -> None:
             " Some operators run slower or raise in deterministic mode; call"
             " torch.use_deterministic_algorithms(False) in your LightningModule's setup() to undo it."
         )
+
+
+def total_memory(index: int = 0) -> int:
+    """Bytes of memory on HPU ``index`` (the runtime's ``Limit``: what the allocator may use)."""
+    import habana_frameworks.torch.hpu as hthpu
+
+    return int(hthpu.memory_stats(index)["Limit"])

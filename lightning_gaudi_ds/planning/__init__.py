@@ -1,0 +1,26 @@
+"""Memory planning: bytes per rank for each ZeRO stage and offload, and the fastest configuration that fits."""
+
+from lightning_gaudi_ds.planning.memory import (
+    CONFIGURATIONS,
+    Buckets,
+    ModelSpec,
+    PlanRow,
+    choose,
+    comm_bytes_per_param,
+    model_states,
+    plan_memory,
+)
+from lightning_gaudi_ds.planning.units import format_bytes, parse_bytes
+
+__all__ = [
+    "CONFIGURATIONS",
+    "Buckets",
+    "ModelSpec",
+    "PlanRow",
+    "choose",
+    "comm_bytes_per_param",
+    "format_bytes",
+    "model_states",
+    "parse_bytes",
+    "plan_memory",
+]

@@ -1,0 +1,179 @@
+"""``lightning-gaudi-ds plan``: predicted memory per rank for every ZeRO stage and offload, and what fits.
+
+Only argparse is imported at module level: ``--help`` starts fast and imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any, Optional, Sequence, TextIO
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_argument_group("model (one of)")
+    group = source.add_mutually_exclusive_group(required=True)
+    group.add_argument("--params", help="number of trainable parameters, e.g. 7e9")
+    group.add_argument("--model", metavar="PKG.MODULE:CLASS",
+                       help="a LightningModule / nn.Module class, built on the meta device (configure_model too)")
+    group.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its directory); no download")
+    source.add_argument("--init-args", default="{}", metavar="JSON", help="keyword arguments for --model, as JSON")
+    source.add_argument("--hidden-size", type=int, help="hidden size, to size DeepSpeed's buckets (with --params)")
+    parser.add_argument("--devices", type=int, help="devices per node (default: the accelerators here, else 1)")
+    parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    parser.add_argument("--device-memory", help="memory per device, e.g. 96GiB (default: read from the device)")
+    parser.add_argument("--host-memory", help="memory per node, e.g. 1TiB (default: this machine's RAM)")
+    parser.add_argument("--precision", default="bf16-mixed",
+                        help="Lightning precision: bf16-mixed (default), 16-mixed, bf16-true, 16-true, 32-true")
+    parser.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, adagrad, lamb")
+    parser.add_argument("--headroom", type=float, default=0.10, help="fraction of memory kept free (default 0.10)")
+    act = parser.add_argument_group("activations")
+    act.add_argument("--measure-activations", action="store_true",
+                     help="run one forward/backward of one micro batch on one device and add its peak")
+    act.add_argument("--batch-size", type=int, default=1, help="micro batch for --hf-config (default 1)")
+    act.add_argument("--seq-len", type=int, help="sequence length for --hf-config (default: the model's maximum)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+
+
+def run(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
+    out = out or sys.stdout
+    from lightning_gaudi_ds.planning.detect import detect_device_count, detect_device_memory, detect_host_memory
+    from lightning_gaudi_ds.planning.memory import Buckets, plan_memory
+    from lightning_gaudi_ds.planning.units import parse_bytes
+
+    try:
+        init_args = json.loads(args.init_args)
+    except json.JSONDecodeError as err:
+        raise SystemExit(f"error: --init-args {args.init_args!r} is not JSON: {err}") from None
+    if not isinstance(init_args, dict):
+        raise SystemExit(f"error: --init-args must be a JSON object, got {args.init_args!r}")
+    try:
+        device_memory = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None
+        host_memory = parse_bytes(args.host_memory, "--host-memory") if args.host_memory else None
+        module, spec, inputs = _model(args, init_args)
+        if args.hidden_size:
+            spec = dataclasses.replace(spec, hidden_size=args.hidden_size)
+        activations = None
+        if args.measure_activations:
+            activations = _measure(args, module, inputs)
+        rows = plan_memory(
+            spec, devices=args.devices or detect_device_count(), nodes=args.nodes, precision=args.precision,
+            optimizer=args.optimizer, device_memory=device_memory or detect_device_memory(),
+            host_memory=host_memory or detect_host_memory(), headroom=args.headroom,
+            activation_bytes=activations, buckets=Buckets.for_model(spec.hidden_size),
+        )
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    if args.json:
+        json.dump(rows, out, indent=1)
+        out.write("\n")
+    else:
+        out.write(format_table(rows, spec.name) + "\n")
+    return 0
+
+
+def _model(args: argparse.Namespace, init_args: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """(module or None, ModelSpec, one micro batch or None) for the source the user gave."""
+    from lightning_gaudi_ds.planning import model as sources
+    from lightning_gaudi_ds.planning.memory import ModelSpec
+
+    if args.params is not None:
+        try:
+            n = float(args.params)
+        except ValueError:
+            raise ValueError(f"--params {args.params!r} is not a number; write e.g. 7e9 or 125000000") from None
+        if args.measure_activations:
+            raise ValueError("--measure-activations needs the model itself: use --model or --hf-config")
+        from lightning_gaudi_ds.planning.memory import _count
+
+        return None, ModelSpec(params=_count(n), name=f"{n:.3g} parameters"), None
+    if args.model is not None:
+        cls = sources.import_class(args.model)
+        module = sources.build_on_meta(cls, init_args, args.model)
+        spec = sources.spec_from_module(module, name=args.model)
+        inputs = getattr(module, "example_input_array", None)
+        if args.measure_activations and inputs is None:
+            raise ValueError(f"--measure-activations: {args.model} has no `example_input_array` (one micro batch);"
+                             " set it in the module's __init__ (a Lightning convention)")
+        return (cls, init_args), spec, inputs
+    config = sources.load_hf_config(args.hf_config)
+    spec = sources.spec_from_module(sources.build_hf_on_meta(config), name=f"{type(config).__name__}")
+    return config, spec, None
+
+
+def _measure(args: argparse.Namespace, built: Any, inputs: Any) -> int:
+    """Peak activation bytes of one micro batch, with the real module on this machine's first device."""
+    import torch
+
+    from lightning_gaudi_ds.devices import detect_device_type
+    from lightning_gaudi_ds.planning.activations import measure_activation_bytes
+
+    kind = detect_device_type()
+    device = torch.device(kind, 0) if kind != "cpu" else torch.device("cpu")
+    if args.model is not None:
+        cls, init_args = built
+        module = cls(**init_args)
+        if callable(getattr(module, "configure_model", None)):
+            module.configure_model()
+    else:
+        from transformers import AutoModel, AutoModelForCausalLM
+
+        try:
+            module = AutoModelForCausalLM.from_config(built)
+        except ValueError:
+            module = AutoModel.from_config(built)
+        seq = args.seq_len or int(getattr(built, "max_position_embeddings", 0) or 512)
+        ids = torch.randint(0, int(getattr(built, "vocab_size", 2) or 2), (args.batch_size, seq))
+        inputs = {"input_ids": ids, "labels": ids}
+    return measure_activation_bytes(module, inputs, args.precision, device)
+
+
+def format_table(rows: Sequence[dict[str, Any]], name: str = "") -> str:
+    from lightning_gaudi_ds.planning.units import format_bytes as fb
+
+    r0 = rows[0]
+    head = (f"{name + ': ' if name else ''}{r0['params']:,} trainable parameters"
+            + (f" (+{r0['frozen_params']:,} frozen)" if r0["frozen_params"] else "")
+            + f", {r0['world_size']} rank(s) ({r0['devices']} device(s) x {r0['nodes']} node(s)), {r0['precision']},"
+            f" {r0['optimizer']}; device memory {fb(r0['device_memory'])}, host memory {fb(r0['host_memory'])}/node,"
+            f" {r0['headroom']:.0%} kept free")
+    cols = ("configuration", "device/rank", "params", "grads", "optim", "buffers", "transient", "host/node",
+            "fits", "sent/rank/step")
+    table = [cols]
+    for r in rows:
+        d = r["device_parts"]
+        fits = {True: "yes", False: "no", None: "?"}[r["fits"]]
+        if r["fits"] is False and r["fits_device"]:
+            fits = "no (host)"
+        table.append((r["label"], fb(r["device_bytes"]), fb(d["params"]), fb(d["grads"]), fb(d["optimizer"]),
+                      fb(d["buffers"]), fb(r["transient_bytes"]), fb(r["host_bytes"]), fits, fb(r["comm_bytes"])))
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(cols))]
+    lines = [head, ""]
+    for i, row in enumerate(table):
+        cells = [str(c).ljust(w) if j == 0 else str(c).rjust(w) for j, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    b = r0["buckets"]
+    act = r0["activation_bytes"]
+    lines += ["", f"buckets (elements): reduce {b['reduce_bucket_size']:,}, allgather {b['allgather_bucket_size']:,},"
+              f" ZeRO-3 prefetch {b['stage3_prefetch_bucket_size']:,}, persistence threshold"
+              f" {b['stage3_param_persistence_threshold']:,}; overlap_comm {b['overlap_comm']}",
+              "activations: " + (f"{fb(act)} (measured, one micro batch) included" if act is not None
+                                 else "not included (use --measure-activations)")]
+    fitting = [r for r in rows if r["fits"]]
+    if fitting:
+        lines.append(f"fastest that fits: {fitting[0]['label']}")
+    elif r0["device_memory"] is not None:
+        from lightning_gaudi_ds.planning.memory import no_fit_message
+
+        lines.append(no_fit_message(rows))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="lightning-gaudi-ds plan", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,386 @@
+"""Bytes per rank for DeepSpeed ZeRO stages 0-3, with and without offload, and the choice of the fastest that fits.
+
+What DeepSpeed 0.19 allocates, per rank, for Ψ trainable parameters on N data-parallel ranks (``p``: bytes of a
+parameter in the training precision, 2 for bf16/fp16, 4 for fp32; ``k``: optimizer state bytes, 8 for Adam):
+
+============  ==============================================  ==========================================
+stage         at rest (optimizer step's entry)                 inside the step (peak)
+============  ==============================================  ==========================================
+0, half       p + p (grads) + 4 (fp32 master) + k             + 4 (fp32 gradient copy)
+0, fp32       4 + 4 + k                                       (no copy)
+1 and 2       p + (4 + k + p) / N  (fp32 master partition,    + (4 - p) / N (fp32 gradient partition
+              moments, gradient partition)                    replaces the low-precision one)
+3             (p + 4 + k + p) / N + reduce bucket             + 4 / N (fp32 gradient partition)
+============  ==============================================  ==========================================
+
+With the optimizer offloaded the fp32 master, moments and fp32 gradient partition live on the host (pinned
+when ``pin_memory``), stages 1-2 add a ``p / N`` host copy of the parameters (``param_buffer_of_bit16_for_cpu
+_offload_groups``) and two staging buffers of the largest parameter; stage 3 moves the gradient partition to
+the host too, and with parameter offload the ``p / N`` parameter partition. These are the tensors
+``benchmarks/meter.py`` counts (``stage_1_and_2.py`` / ``stage3.py``); ``benchmarks/planner.py`` holds the
+formula against it. Beside the model states, transient buffers during backward: reduce buckets
+(``reduce_bucket_size`` elements, two with ``overlap_comm`` in stages 1-2), and for ZeRO-3 the parameters
+gathered for the running module plus the prefetch bucket (at most ``stage3_max_live_parameters``) and the
+persistent parameters (below ``stage3_param_persistence_threshold``) kept whole on every rank.
+
+Bytes sent per rank per step assume ring collectives (NCCL, HCCL): an all-reduce of M bytes sends
+2M(N-1)/N, a reduce-scatter or all-gather M(N-1)/N. ZeRO-0 all-reduces gradients; ZeRO-1/2 all-reduce the
+gradient buckets (DeepSpeed's default ``use_multi_rank_bucket_allreduce``) and all-gather the updated
+parameters; ZeRO-3 all-gathers parameters in forward and again in backward and reduce-scatters gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+from lightning_gaudi_ds.planning.units import format_bytes
+
+# Lightning's DeepSpeedStrategy defaults, and DeepSpeed's where Lightning sets none
+LIGHTNING_REDUCE_BUCKET = 200_000_000
+LIGHTNING_ALLGATHER_BUCKET = 200_000_000
+DS_PREFETCH_BUCKET = 50_000_000
+DS_PERSISTENCE_THRESHOLD = 100_000
+DS_MAX_LIVE_PARAMETERS = 1_000_000_000
+
+OPTIMIZER_STATE_BYTES = {"adam": 8.0, "adamw": 8.0, "sgd": 4.0, "adagrad": 4.0, "lamb": 8.0}
+HALF_PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed", "16-true")
+PRECISIONS = ("32-true",) + HALF_PRECISIONS
+DEFAULT_HEADROOM = 0.10
+
+# (stage, offload_optimizer, offload_parameters), fastest first: no offload before offload, lowest stage first
+CONFIGURATIONS: tuple[tuple[int, bool, bool], ...] = (
+    (0, False, False), (1, False, False), (2, False, False), (3, False, False),
+    (1, True, False), (2, True, False), (3, True, False), (3, True, True),
+)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the planner needs to know of a model. ``param_numels``: every parameter's element count when the
+    model itself was seen (it decides the ZeRO-3 persistent parameters and the offload staging buffers)."""
+
+    params: int  # trainable parameters
+    frozen_params: int = 0
+    hidden_size: Optional[int] = None
+    param_numels: tuple[int, ...] = ()
+    name: str = ""
+
+    @property
+    def total_params(self) -> int:
+        return self.params + self.frozen_params
+
+    @property
+    def largest_param(self) -> int:
+        """Largest parameter's element count; without the model, one hidden x hidden matrix (or 0)."""
+        if self.param_numels:
+            return max(self.param_numels)
+        return (self.hidden_size or 0) ** 2
+
+    def persistent_params(self, threshold: int) -> int:
+        """Elements ZeRO-3 keeps whole on every rank (parameters below the persistence threshold)."""
+        return sum(n for n in self.param_numels if n < threshold)
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """DeepSpeed's bucket settings in elements, as the strategy resolves them."""
+
+    reduce_bucket_size: int = LIGHTNING_REDUCE_BUCKET
+    allgather_bucket_size: int = LIGHTNING_ALLGATHER_BUCKET
+    stage3_prefetch_bucket_size: int = DS_PREFETCH_BUCKET
+    stage3_param_persistence_threshold: int = DS_PERSISTENCE_THRESHOLD
+    stage3_max_live_parameters: int = DS_MAX_LIVE_PARAMETERS
+    overlap_comm: bool = True
+    pin_memory: bool = False
+
+    @classmethod
+    def for_model(cls, hidden_size: Optional[int], zero_config: Optional[Mapping[str, Any]] = None) -> "Buckets":
+        """The strategy's sizes: from the hidden size when known (its ``"auto"`` rule), else Lightning's
+        defaults; keys of a ``zero_optimization`` section given as numbers override both."""
+        from lightning_gaudi_ds.config import bucket_sizes
+
+        values: dict[str, Any] = {}
+        if hidden_size:
+            values = {k.rsplit(".", 1)[-1]: v for k, v in bucket_sizes(hidden_size).items()}
+        for key, value in (zero_config or {}).items():
+            if key in cls.__dataclass_fields__ and isinstance(value, (int, float, bool)):
+                values[key] = type(getattr(cls, key))(value)
+        for key in ("offload_optimizer", "offload_param"):
+            pin = ((zero_config or {}).get(key) or {}).get("pin_memory")
+            if isinstance(pin, bool):
+                values["pin_memory"] = pin
+        return cls(**values)
+
+
+@dataclass
+class Parts:
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    buffers: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.buffers
+
+
+@dataclass
+class PlanRow:
+    stage: int
+    offload_optimizer: bool
+    offload_parameters: bool
+    device_bytes: int  # per rank: model states at their peak + transient buffers + activations (when known)
+    host_bytes: int  # per node: the offloaded states of every rank on it
+    fits: Optional[bool]  # None when the device memory is unknown
+    fits_device: Optional[bool]
+    fits_host: Optional[bool]
+    model_state_bytes: int  # per rank, device + host, at the optimizer step's peak (what benchmarks/meter.py counts)
+    device_model_state_bytes: int
+    host_bytes_per_rank: int
+    transient_bytes: int  # reduce buckets, ZeRO-3 gathered / persistent parameters
+    activation_bytes: Optional[int]
+    comm_bytes: int  # sent per rank per optimizer step (ring collectives)
+    device_parts: dict[str, int] = field(default_factory=dict)
+    host_parts: dict[str, int] = field(default_factory=dict)
+    label: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def bytes_per_param(precision: str) -> float:
+    """Bytes of one parameter (and one gradient) in the training precision."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one the planner knows. Allowed: {', '.join(PRECISIONS)}")
+    return 2.0 if precision in HALF_PRECISIONS else 4.0
+
+
+def optimizer_state_bytes(optimizer: str) -> float:
+    key = optimizer.lower()
+    if key not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(
+            f"optimizer={optimizer!r} is not one the planner knows. Allowed: {', '.join(OPTIMIZER_STATE_BYTES)}"
+        )
+    return OPTIMIZER_STATE_BYTES[key]
+
+
+def label(stage: int, offload_optimizer: bool, offload_parameters: bool) -> str:
+    text = f"ZeRO-{stage}"
+    if offload_parameters:
+        return text + " + offload optimizer & params"
+    return text + (" + offload optimizer" if offload_optimizer else "")
+
+
+def model_states(
+    stage: int,
+    precision: str,
+    world_size: int,
+    offload_optimizer: bool = False,
+    offload_parameters: bool = False,
+    optimizer: str = "adamw",
+    frozen_fraction: float = 0.0,
+) -> tuple[Parts, Parts]:
+    """(device, host) bytes per trainable parameter per rank at the optimizer step's peak.
+
+    ``frozen_fraction``: frozen parameters per trainable one; they hold their low-precision copy only.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage={stage!r} is not a ZeRO stage. Allowed: 0, 1, 2, 3")
+    if offload_parameters and not (stage == 3 and offload_optimizer):
+        raise ValueError("parameter offload needs stage 3 with the optimizer offloaded too")
+    if offload_optimizer and stage == 0:
+        raise ValueError("ZeRO-Offload needs stage 1, 2 or 3")
+    p, k, n = bytes_per_param(precision), optimizer_state_bytes(optimizer), float(world_size)
+    half = p < 4
+    dev, host = Parts(), Parts()
+    if stage == 0:
+        dev.params = p * (1 + frozen_fraction)
+        dev.grads = p + (4.0 if half else 0.0)
+        dev.optimizer = k + (4.0 if half else 0.0)
+        return dev, host
+    opt = host if offload_optimizer else dev
+    opt.optimizer = (4.0 + k) / n  # fp32 master partition + moments
+    opt.grads = 4.0 / n  # fp32 gradient partition (replaces the low-precision one in stages 1-2)
+    if stage in (1, 2):
+        dev.params = p * (1 + frozen_fraction)
+        if offload_optimizer:
+            host.buffers = p / n  # param_buffer_of_bit16_for_cpu_offload_groups
+        return dev, host
+    # stage 3: the low-precision gradient partition stays beside the fp32 one
+    opt.grads += p / n
+    (host if offload_parameters else dev).params = p * (1 + frozen_fraction) / n
+    return dev, host
+
+
+def paper_bytes_per_param(stage: Optional[int], precision: str, world_size: int) -> float:
+    """Model-state bytes per parameter per rank in the ZeRO paper's accounting (Rajbhandari et al., 2020), Adam:
+    parameters + gradients + optimizer states of 2 + 2 + 12 bytes in mixed precision (4 + 4 + 8 in fp32), the
+    part each stage shards divided by N. ``stage=None``: plain data parallel."""
+    p = bytes_per_param(precision)
+    g, k = p, (12.0 if p < 4 else 8.0)
+    n = float(world_size)
+    return {None: p + g + k, 0: p + g + k, 1: p + g + k / n, 2: p + (g + k) / n, 3: (p + g + k) / n}[stage]
+
+
+def paper_split(stage: int, precision: str, world_size: int, offload_parameters: bool) -> tuple[float, float]:
+    """(device, host) bytes per parameter of the paper's accounting with ZeRO-Offload: the optimizer's part
+    (master weights, states, the gradient partition it steps on) on the host; with parameter offload the
+    parameters' partition too."""
+    total = paper_bytes_per_param(stage, precision, world_size)
+    if offload_parameters:
+        return 0.0, total
+    device = bytes_per_param(precision) / (world_size if stage == 3 else 1)
+    return device, total - device
+
+
+def comm_bytes_per_param(stage: int, precision: str, world_size: int) -> float:
+    """Bytes one rank sends per trainable parameter per optimizer step (ring collectives)."""
+    if world_size <= 1:
+        return 0.0
+    p, f = bytes_per_param(precision), (world_size - 1) / world_size
+    if stage == 0:
+        return 2 * f * p
+    if stage in (1, 2):
+        return 2 * f * p + f * p
+    return 3 * f * p
+
+
+def plan_memory(
+    model: ModelSpec | int | float,
+    *,
+    devices: int = 1,
+    nodes: int = 1,
+    precision: str = "bf16-mixed",
+    optimizer: str = "adamw",
+    device_memory: Optional[int | str] = None,
+    host_memory: Optional[int | str] = None,
+    headroom: float = DEFAULT_HEADROOM,
+    activation_bytes: Optional[int] = None,
+    buckets: Optional[Buckets] = None,
+    configurations: Sequence[tuple[int, bool, bool]] = CONFIGURATIONS,
+) -> list[dict[str, Any]]:
+    """Predicted bytes per rank for ZeRO stages 0-3 with and without offload, fastest configuration first.
+
+    Args:
+        model: a :class:`ModelSpec`, or the number of trainable parameters.
+        devices, nodes: devices per node and nodes; the data-parallel world is their product.
+        precision: Lightning's precision string. optimizer: ``adamw``/``adam`` (8 bytes of state per
+            parameter), ``sgd`` (momentum), ``adagrad``, ``lamb``.
+        device_memory, host_memory: bytes (or strings like ``"96GiB"``) per device and per node. ``None``
+            leaves that side's ``fits`` unknown; use :func:`detect_device_memory` / :func:`detect_host_memory`.
+        headroom: fraction of each memory kept free (allocator fragmentation, the framework's own use).
+        activation_bytes: measured peak activation bytes of one micro batch (see
+            :func:`~lightning_gaudi_ds.planning.activations.measure_activation_bytes`); ``None``: not included.
+        buckets: DeepSpeed's bucket settings; default: the strategy's, sized from the model's hidden size.
+
+    Returns:
+        One dict per configuration (see :class:`PlanRow`).
+    """
+    from lightning_gaudi_ds.planning.units import parse_bytes
+
+    spec = model if isinstance(model, ModelSpec) else ModelSpec(params=_count(model))
+    for name, value in (("devices", devices), ("nodes", nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if not 0.0 <= headroom < 1.0:
+        raise ValueError(f"headroom={headroom!r} must lie in [0, 1): the fraction of memory kept free")
+    dev_mem = parse_bytes(device_memory, "device_memory") if device_memory is not None else None
+    host_mem = parse_bytes(host_memory, "host_memory") if host_memory is not None else None
+    buckets = buckets or Buckets.for_model(spec.hidden_size)
+    world = devices * nodes
+    psi = float(spec.params)
+    frozen = spec.frozen_params / psi if psi else 0.0
+    p = bytes_per_param(precision)
+    rows = []
+    for stage, off_opt, off_par in configurations:
+        dev, host = model_states(stage, precision, world, off_opt, off_par, optimizer, frozen)
+        dev_parts = {k: int(round(v * psi)) for k, v in asdict(dev).items()}
+        host_parts = {k: int(round(v * psi)) for k, v in asdict(host).items()}
+        transient = _transient_bytes(stage, off_opt, spec, buckets, p, world)
+        if off_opt and stage in (1, 2):  # staging buffers of the largest parameter, one each side
+            dev_parts["buffers"] += int(spec.largest_param * p)
+            host_parts["buffers"] += int(spec.largest_param * p)
+        if stage == 3:
+            dev_parts["buffers"] += int(buckets.reduce_bucket_size * p)  # ipg bucket, allocated once
+        dev_states, host_states = sum(dev_parts.values()), sum(host_parts.values())
+        device_bytes = dev_states + transient + (activation_bytes or 0)
+        host_node = host_states * devices
+        fits_dev = None if dev_mem is None else device_bytes <= dev_mem * (1 - headroom)
+        fits_host = None if host_mem is None else host_node <= host_mem * (1 - headroom)
+        fits = None if fits_dev is None else bool(fits_dev and fits_host is not False)
+        rows.append(PlanRow(
+            stage=stage, offload_optimizer=off_opt, offload_parameters=off_par,
+            device_bytes=device_bytes, host_bytes=host_node, fits=fits, fits_device=fits_dev, fits_host=fits_host,
+            model_state_bytes=dev_states + host_states, device_model_state_bytes=dev_states,
+            host_bytes_per_rank=host_states, transient_bytes=transient, activation_bytes=activation_bytes,
+            comm_bytes=int(round(comm_bytes_per_param(stage, precision, world) * psi)),
+            device_parts=dev_parts, host_parts=host_parts, label=label(stage, off_opt, off_par),
+        ).to_dict())
+    for row in rows:
+        row.update(params=spec.params, frozen_params=spec.frozen_params, world_size=world, devices=devices,
+                   nodes=nodes, precision=precision, optimizer=optimizer, device_memory=dev_mem,
+                   host_memory=host_mem, headroom=headroom, buckets=asdict(buckets))
+    return rows
+
+
+def _transient_bytes(stage: int, offload_optimizer: bool, spec: ModelSpec, b: Buckets, p: float, world: int) -> int:
+    """Device bytes that exist during backward only: reduce buckets; for ZeRO-3 the gathered parameters."""
+    if stage == 0:
+        return 0
+    if stage in (1, 2):
+        # ZeRO-1 accumulates in fp32 buckets; a second bucket with overlap_comm
+        bucket_elem_bytes = 4.0 if stage == 1 else p
+        return int(b.reduce_bucket_size * bucket_elem_bytes * (2 if b.overlap_comm else 1))
+    persistent = spec.persistent_params(b.stage3_param_persistence_threshold) if world > 1 else 0
+    gathered = min(b.stage3_max_live_parameters, b.stage3_prefetch_bucket_size + spec.largest_param)
+    gathered = min(gathered, spec.total_params)
+    return int((gathered + persistent) * p)
+
+
+def choose(rows: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """The first row that fits (rows come fastest first). Raises ``ValueError`` saying what would fit."""
+    unknown = [r for r in rows if r["fits"] is None]
+    if unknown:
+        raise ValueError("the device memory is unknown: pass device_memory (e.g. '24GiB') to choose a configuration")
+    for row in rows:
+        if row["fits"]:
+            return row
+    raise ValueError(no_fit_message(rows))
+
+
+def no_fit_message(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Why nothing fits, and what would: more devices, offload, NVMe."""
+    r0 = rows[0]
+    dev_limit = r0["device_memory"] * (1 - r0["headroom"])
+    host_limit = None if r0["host_memory"] is None else r0["host_memory"] * (1 - r0["headroom"])
+    smallest = min(rows, key=lambda r: r["device_bytes"])
+    lines = [f"No ZeRO configuration fits {r0['params']:,} parameters on {r0['world_size']} device(s) of"
+             f" {format_bytes(r0['device_memory'])} ({r0['headroom']:.0%} headroom kept)."]
+    for r in rows:
+        host = f", host {format_bytes(r['host_bytes'])}/node" if r["host_bytes"] else ""
+        lines.append(f"  {r['label']}: device {format_bytes(r['device_bytes'])}/rank{host}")
+    hints = []
+    z3 = next((r for r in rows if r["stage"] == 3 and not r["offload_optimizer"]), None)
+    if z3 is not None:
+        sharded = z3["device_model_state_bytes"] - int(z3["device_parts"]["buffers"])
+        fixed = z3["device_bytes"] - sharded
+        if dev_limit > fixed and sharded > 0:
+            need = int(-(-sharded * r0["world_size"] // (dev_limit - fixed)))
+            hints.append(f"ZeRO-3 fits on about {need} devices of this size (devices x nodes)")
+    if smallest["fits_device"] and smallest["fits_host"] is False and host_limit is not None:
+        hints.append(f"{smallest['label']} fits the device but needs {format_bytes(smallest['host_bytes'])} of host"
+                     f" memory per node (usable {format_bytes(host_limit)}): offload to NVMe"
+                     " (remote_device='nvme', nvme_path=...) or use more nodes")
+    elif not smallest["fits_device"]:
+        hints.append("even with everything offloaded the device's share does not fit: activations or buckets"
+                     " dominate; lower the micro batch, use activation checkpointing or smaller buckets")
+    if not any(r["offload_optimizer"] for r in rows):
+        hints.append("allow offload (offload_optimizer / offload_parameters)")
+    return "\n".join(lines + ["What would fit: " + "; ".join(hints) + "." if hints else ""]).rstrip()
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or value != int(value):
+        raise ValueError(f"params={value!r} must be a positive whole number of parameters, e.g. 7e9")
+    return int(value)

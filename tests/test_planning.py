@@ -1,0 +1,311 @@
+"""The memory planner: formulas per stage/offload/precision against what DeepSpeed allocated, parsing, the
+choice, model sources on the meta device, activation measurement, and the CLI's JSON (no processes)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gaudi_ds import plan_memory
+from lightning_gaudi_ds.planning import Buckets, ModelSpec, choose, comm_bytes_per_param, model_states, parse_bytes
+from lightning_gaudi_ds.planning.activations import measure_activation_bytes
+from lightning_gaudi_ds.planning.model import build_on_meta, import_class, spec_from_hf_config, spec_from_module
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "results.jsonl"
+ARM = {"z0": (0, False, False), "z1": (1, False, False), "z2": (2, False, False), "z3": (3, False, False),
+       "z2_offload": (2, True, False), "z3_offload": (3, True, True)}
+
+
+def _bench_spec(hidden: int = 1024, layers: int = 24) -> ModelSpec:
+    """benchmarks/bench_model.py: layers x Linear(hidden, hidden)."""
+    numels = (hidden * hidden, hidden) * layers
+    return ModelSpec(params=sum(numels), hidden_size=hidden, param_numels=numels)
+
+
+def _measured_rows() -> list[dict]:
+    rows = [json.loads(line) for line in RESULTS.read_text().splitlines()]
+    return [r for r in rows if r.get("type") == "memory" and r.get("ok") and r["arm"] in ARM]
+
+
+# ------------------------------------------------------------------------------------------ formulas
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+@pytest.mark.parametrize("arm", sorted(ARM))
+def test_model_states_match_the_tensors_deepspeed_held(arm, precision):
+    """Predicted bytes per parameter at the step's peak == the census of benchmarks/meter.py (committed run:
+    Ψ = 25.2M, 2 ranks, buckets of hidden² elements), device and host apart."""
+    measured = {(r["arm"], r["precision"]): r for r in _measured_rows()}
+    if (arm, precision) not in measured:
+        pytest.skip("arm not in the committed benchmark results")
+    m = measured[(arm, precision)]
+    stage, off_opt, off_par = ARM[arm]
+    b = Buckets.for_model(1024, {"overlap_comm": False})  # the run's settings (its meta line)
+    (row,) = plan_memory(_bench_spec(), devices=2, precision=precision, buckets=b,
+                         configurations=[(stage, off_opt, off_par)])
+    psi = m["params"]
+    assert row["params"] == psi
+    assert row["model_state_bytes"] / psi == pytest.approx(m["peak_bpp"], rel=0.01)
+    assert row["device_model_state_bytes"] / psi == pytest.approx(m["device_bpp"], abs=0.01)
+    assert row["host_bytes_per_rank"] / psi == pytest.approx(m["host_bpp"], abs=0.01)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 64])
+def test_formulas_in_bytes_per_parameter(n):
+    half = lambda s, o=False, q=False: model_states(s, "bf16-mixed", n, o, q)  # noqa: E731
+    full = lambda s, o=False, q=False: model_states(s, "32-true", n, o, q)  # noqa: E731
+    tot = lambda parts: parts[0].total + parts[1].total  # noqa: E731
+    # half precision, Adam: 2 + 2 + (4 master + 8 moments), plus the fp32 gradient inside the step (in
+    # stages 1-2 it replaces the low-precision gradient partition)
+    assert tot(half(0)) == 20
+    assert tot(half(1)) == pytest.approx(2 + 16 / n)
+    assert tot(half(2)) == pytest.approx(2 + 16 / n)
+    assert tot(half(3)) == pytest.approx(20 / n)
+    assert tot(full(0)) == 16
+    assert tot(full(1)) == pytest.approx(4 + 16 / n)
+    assert tot(full(3)) == pytest.approx(24 / n)
+    # offload moves what the optimizer owns to the host; ZeRO-3 parameter offload moves the partition too
+    dev, host = half(2, True)
+    assert (dev.total, host.total) == (2, pytest.approx(18 / n))
+    dev, host = half(3, True, True)
+    assert (dev.total, host.total) == (0, pytest.approx(20 / n))
+    dev, host = half(3, True)
+    assert (dev.total, host.total) == (pytest.approx(2 / n), pytest.approx(18 / n))
+    # SGD with momentum keeps 4 bytes of state instead of Adam's 8
+    assert model_states(2, "bf16-mixed", n, optimizer="sgd")[0].total == pytest.approx(2 + 12 / n)
+
+
+def test_frozen_parameters_hold_only_their_copy():
+    dev, _ = model_states(3, "bf16-mixed", 4, frozen_fraction=1.0)
+    assert dev.params == pytest.approx(2 * 2 / 4)
+    (row,) = plan_memory(ModelSpec(params=1000, frozen_params=1000), devices=1, configurations=[(2, False, False)])
+    assert row["device_parts"]["params"] == 4000 and row["device_parts"]["optimizer"] == 12000
+
+
+def test_comm_bytes_match_the_collectives_counted():
+    measured = [json.loads(line) for line in RESULTS.read_text().splitlines()]
+    comm = {(r["arm"], r["precision"]): r for r in measured if r.get("type") == "comm"}
+    for (arm, precision), r in comm.items():
+        if arm not in ARM:
+            continue
+        predicted = comm_bytes_per_param(ARM[arm][0], precision, 2)
+        assert predicted == pytest.approx(r["ring_bytes"] / r["params"], rel=0.01), (arm, precision)
+    assert comm_bytes_per_param(3, "bf16-mixed", 1) == 0
+
+
+def test_buckets_from_hidden_size_and_overrides():
+    assert Buckets.for_model(None).reduce_bucket_size == 200_000_000
+    b = Buckets.for_model(1024, {"reduce_bucket_size": 5e6, "overlap_comm": False,
+                                 "offload_optimizer": {"pin_memory": True}})
+    assert b.reduce_bucket_size == 5_000_000
+    assert (b.allgather_bucket_size, b.stage3_param_persistence_threshold) == (1024**2, 10240)
+    assert b.overlap_comm is False and b.pin_memory is True
+
+
+def test_zero3_transient_includes_persistent_and_gathered_parameters():
+    spec = ModelSpec(params=10_000 + 5 * 1_000_000, param_numels=(1_000,) * 10 + (1_000_000,) * 5)
+    b = Buckets(stage3_prefetch_bucket_size=2_000_000, stage3_param_persistence_threshold=5_000)
+    (row,) = plan_memory(spec, devices=4, buckets=b, configurations=[(3, False, False)])
+    assert row["transient_bytes"] == (2_000_000 + 1_000_000 + 10_000) * 2
+
+
+def test_rows_cover_every_stage_and_offload_fastest_first():
+    rows = plan_memory(7e9, devices=8, device_memory="96GiB", host_memory="1TiB")
+    keys = [(r["stage"], r["offload_optimizer"], r["offload_parameters"]) for r in rows]
+    assert keys[:4] == [(0, False, False), (1, False, False), (2, False, False), (3, False, False)]
+    assert set(keys) == {(0, False, False), (1, False, False), (1, True, False), (2, False, False), (2, True, False),
+                         (3, False, False), (3, True, False), (3, True, True)}
+    assert {"device_bytes", "host_bytes", "fits", "comm_bytes", "activation_bytes"} <= set(rows[0])
+    assert rows[0]["fits"] is False  # 7B x 20 bytes > 96 GiB
+    assert choose(rows)["stage"] == 1
+    # host bytes are per node: 8 ranks' offloaded states
+    z2o = next(r for r in rows if r["stage"] == 2 and r["offload_optimizer"])
+    assert z2o["host_bytes"] == 8 * z2o["host_bytes_per_rank"]
+
+
+def test_activations_are_added_to_the_device_side():
+    base, = plan_memory(1e6, configurations=[(2, False, False)])
+    more, = plan_memory(1e6, activation_bytes=12345, configurations=[(2, False, False)])
+    assert more["device_bytes"] - base["device_bytes"] == 12345 and base["activation_bytes"] is None
+
+
+# ------------------------------------------------------------------------------------------ the choice
+def test_choice_takes_the_lowest_stage_without_offload_first():
+    # 1e9 parameters on 8 ranks, bf16-mixed, Adam, Lightning's 2e8-element buckets: ZeRO-0 20 GB, ZeRO-1
+    # 4 GB + 1.6 GB of fp32 buckets, ZeRO-3 2.5 GB + 0.5 GB, ZeRO-3 with the optimizer offloaded 0.75 GB
+    for memory, expected in (("24GiB", (0, False)), ("8GiB", (1, False)), ("4GiB", (3, False)), ("2GiB", (3, True))):
+        rows = plan_memory(1e9, devices=8, device_memory=memory, host_memory="512GiB")
+        chosen = choose(rows)
+        assert (chosen["stage"], chosen["offload_optimizer"]) == expected, memory
+        assert all(not r["fits"] for r in rows[: rows.index(chosen)])
+
+
+def test_nothing_fits_says_what_would():
+    rows = plan_memory(70e9, devices=8, device_memory="16GiB", host_memory="256GiB")
+    with pytest.raises(ValueError, match="No ZeRO configuration fits") as err:
+        choose(rows)
+    text = str(err.value)
+    assert "ZeRO-3 fits on about" in text and "NVMe" in text
+    without_offload = plan_memory(70e9, devices=8, device_memory="16GiB",
+                                  configurations=[(0, False, False), (3, False, False)])
+    with pytest.raises(ValueError, match="allow offload"):
+        choose(without_offload)
+
+
+def test_choice_needs_the_device_memory():
+    with pytest.raises(ValueError, match="device_memory"):
+        choose(plan_memory(1e9))
+
+
+# ------------------------------------------------------------------------------------------ parsing
+@pytest.mark.parametrize("text,expected", [
+    ("96GiB", 96 * 2**30), ("24GB", 24 * 10**9), ("1.5e9", 1_500_000_000), ("512 mib", 512 * 2**20),
+    (" 2TiB ", 2 * 2**40), ("1000", 1000), (8 * 2**30, 8 * 2**30), (2.5e9, 2_500_000_000), ("100B", 100),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["12XB", "abc", "-1GB", "0", "GiB", "", True, "1.5.2GB", None])
+def test_parse_bytes_rejects_with_the_allowed_forms(bad):
+    with pytest.raises(ValueError, match="GiB"):
+        parse_bytes(bad, "device_memory")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(model=-5), "positive whole number"), (dict(model=1e9, devices=0), "devices=0"),
+    (dict(model=1e9, precision="64-true"), "precision='64-true'"), (dict(model=1e9, optimizer="rmsprop"), "rmsprop"),
+    (dict(model=1e9, device_memory="lots"), "device_memory='lots'"), (dict(model=1e9, headroom=1.5), "headroom"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan_memory(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------ model sources
+class Built(nn.Module):
+    def __init__(self, width: int, depth: int = 2) -> None:
+        super().__init__()
+        self.width, self.depth, self.body = width, depth, None
+        self.head = nn.Linear(width, 3)
+
+    def configure_model(self) -> None:
+        self.body = nn.Sequential(*[nn.Linear(self.width, self.width) for _ in range(self.depth)])
+
+
+def test_module_class_is_built_on_meta_with_configure_model():
+    module = build_on_meta(Built, {"width": 4096, "depth": 3})
+    assert all(p.device.type == "meta" for p in module.parameters())
+    spec = spec_from_module(module)
+    assert spec.params == 3 * (4096 * 4096 + 4096) + 4096 * 3 + 3
+    assert spec.hidden_size == 4096 and spec.largest_param == 4096 * 4096
+
+
+def test_frozen_parameters_are_counted_apart():
+    module = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 2))
+    module[0].requires_grad_(False)
+    spec = spec_from_module(module)
+    assert (spec.params, spec.frozen_params) == (22, 110)
+
+
+def test_class_needing_arguments_names_them():
+    with pytest.raises(ValueError, match="It needs: width") as err:
+        build_on_meta(Built, {"depth": 2}, "tests.test_planning:Built")
+    assert "--init-args" in str(err.value)
+    with pytest.raises(ValueError, match="unexpected keyword|got an unexpected"):
+        build_on_meta(Built, {"width": 2, "colour": "red"})
+
+
+@pytest.mark.parametrize("target,match", [
+    ("no_such_pkg.models:Net", "module 'no_such_pkg' not found"),
+    ("tests.test_planning:Missing", "has no attribute 'Missing'.*Built"),
+    ("tests.test_planning:RESULTS", "not a torch.nn.Module"),
+    ("justaname", "not a class path"),
+])
+def test_unknown_model_paths(target, match):
+    with pytest.raises(ValueError, match=match):
+        import_class(target)
+
+
+def test_hf_config_is_counted_on_meta_like_the_real_model(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=300, tie_word_embeddings=False)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = spec_from_hf_config(tmp_path / "config.json")
+    real = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
+    assert spec.params == sum(p.numel() for p in real.parameters()) and spec.hidden_size == 64
+    assert spec_from_hf_config(tmp_path).params == spec.params  # the directory works too
+
+
+@pytest.mark.parametrize("content,match", [(None, "no such file"), ("{", "not valid JSON"), ('{"a": 1}', "model_type")])
+def test_bad_hf_config(tmp_path, content, match):
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=match):
+        spec_from_hf_config(path)
+
+
+# ------------------------------------------------------------------------------------------ activations
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(6)])
+
+
+def test_measured_activations_cover_what_autograd_saves_and_scale_with_the_batch():
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    model = _mlp()
+    x = torch.randn(512, 256)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).mean().backward()
+    saved.pop(x.untyped_storage().data_ptr(), None)  # the input is the batch, not an activation
+    small = measure_activation_bytes(_mlp(), torch.randn(512, 256), "32-true")
+    large = measure_activation_bytes(_mlp(), torch.randn(1024, 256), "32-true")
+    assert small >= sum(saved.values())
+    assert 1.6 < large / small < 2.4
+    assert math.isclose(measure_activation_bytes(_mlp(), torch.randn(512, 256), "bf16-mixed") / small, 0.5, abs_tol=0.2)
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def test_cli_json(capsys):
+    from lightning_gaudi_ds.cli import main
+
+    assert main(["plan", "--params", "1.3e9", "--devices", "4", "--device-memory", "24GiB", "--host-memory", "64GB",
+                 "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 8 and rows[0]["params"] == 1_300_000_000 and rows[0]["device_memory"] == 24 * 2**30
+    assert rows == plan_memory(1.3e9, devices=4, device_memory="24GiB", host_memory="64GB")
+
+
+def test_cli_table_and_model_source(capsys):
+    from lightning_gaudi_ds.cli import main
+
+    main(["plan", "--model", "tests.test_planning:Built", "--init-args", '{"width": 1024}', "--devices", "2",
+          "--device-memory", "1GiB", "--host-memory", "8GiB"])
+    out = capsys.readouterr().out
+    assert "2,102,275 trainable parameters" in out and "fastest that fits: ZeRO-0" in out
+    assert "activations: not included" in out
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--params", "lots"], "--params 'lots' is not a number"),
+    (["--params", "1e9", "--device-memory", "12XB"], "--device-memory='12XB'"),
+    (["--model", "tests.test_planning:Built"], "It needs: width"),
+    (["--model", "tests.test_planning:Built", "--init-args", "{bad"], "is not JSON"),
+    (["--params", "1e9", "--measure-activations"], "needs the model itself"),
+])
+def test_cli_bad_input(argv, match):
+    from lightning_gaudi_ds.cli import main
+
+    with pytest.raises(SystemExit, match=match):
+        main(["plan", *argv, "--host-memory", "8GiB"])
