@@ -22,7 +22,9 @@ What the real import does, and the double models (Intel Gaudi PyTorch bridge, Ha
   without the bridge cannot hold HPU tensors.
 - ``hpu/__init__.py``: ``is_available()``, ``device_count()``, ``get_device_name(device=None)`` ("GAUDI" for the
   first generation, "GAUDI2", "GAUDI3"; lightning-habana and the bridge's own tests compare against these),
-  ``current_device()``, ``set_device(device)``; ``hpu/memory.py``: ``memory_stats(device=None)``.
+  ``current_device()``, ``set_device(device)``; ``hpu/memory.py``: ``memory_stats(device=None)``; the ``Event``
+  and ``Stream`` classes, which DeepSpeed's HPU accelerator reads (through ``core.hpu``) while ``deepspeed``
+  imports.
 - ``utils/experimental``: ``_is_fp16_supported()``, which DeepSpeed's HPU accelerator calls.
 - ``hpex/optimizers/FusedAdamW.py``: ``FusedAdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6,
   weight_decay=0.0, bias_correction=True, moments_dtype=None)``, a ``torch.optim.Optimizer``.
@@ -193,12 +195,14 @@ class GaudiDouble:
             memory_stats=lambda device=None: {"InUse": 0},
             HABANA_VISIBLE_MODULES_VAR="HABANA_VISIBLE_MODULES",
             HLS_MODULE_ID_VAR="HLS_MODULE_ID",
+            Event=type("Event", (), {"__module__": "habana_frameworks.torch.hpu"}),  # hpu/events.py
+            Stream=type("Stream", (), {"__module__": "habana_frameworks.torch.hpu"}),  # hpu/streams.py
         )
         internal = module("habana_frameworks.torch.utils.internal", is_lazy=self.is_lazy)
         experimental = module("habana_frameworks.torch.utils.experimental",
                               _is_fp16_supported=lambda: self.device_name != "GAUDI")
         utils = module("habana_frameworks.torch.utils", internal=internal, experimental=experimental)
-        core = module("habana_frameworks.torch.core", mark_step=self.mark_step, is_lazy=self.is_lazy)
+        core = module("habana_frameworks.torch.core", mark_step=self.mark_step, is_lazy=self.is_lazy, hpu=hpu)
         hccl = module("habana_frameworks.torch.distributed.hccl",
                       initialize_distributed_hpu=self.initialize_distributed_hpu)
         optimizers = module("habana_frameworks.torch.hpex.optimizers", FusedAdamW=FusedAdamW)
