@@ -9,15 +9,28 @@ from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_gaudi_ds.accelerator import HPUAccelerator
-from lightning_gaudi_ds.checkpoint import convert_zero_checkpoint_to_fp32_state_dict
-from lightning_gaudi_ds.launch import DistributedRunner
+from lightning_gaudi_ds.checkpoint import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+    convert_zero_checkpoint_to_fp32_state_dict,
+)
+from lightning_gaudi_ds.config import ConfigError
+from lightning_gaudi_ds.launch import DistributedRunner, HostfileError
+from lightning_gaudi_ds.ops import BuildLockError
 from lightning_gaudi_ds.planning import plan_memory
 from lightning_gaudi_ds.strategy import HPUDeepSpeedStrategy
 
 __all__ = [
+    "BuildLockError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "ConfigError",
     "DistributedRunner",
     "HPUAccelerator",
     "HPUDeepSpeedStrategy",
+    "HostfileError",
+    "IncompleteCheckpointError",
     "__version__",
     "convert_zero_checkpoint_to_fp32_state_dict",
     "plan_memory",

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
+from lightning_gaudi_ds.config import offloads_optimizer
+
 SHM_COMM = "deepspeed_shm_comm"
 CPU_ADAM = "cpu_adam"
 SHM_MODE_ENV = "LIGHTNING_GAUDI_DS_SHM_COMM"
@@ -461,13 +463,6 @@ def shm_mode(env: Mapping[str, str] = os.environ) -> str:
     return mode
 
 
-def _offload_requested(config: Any) -> bool:
-    zero = (config or {}).get("zero_optimization", {}) if isinstance(config, dict) else {}
-    offload = zero.get("offload_optimizer") or {}
-    device = offload.get("device") if isinstance(offload, dict) else None
-    return str(device).lower() in ("cpu", "nvme")
-
-
 def _disable_shm(reason: str, world_size: int, warn: bool) -> StartupOps:
     """Tell DeepSpeed not to build/load the shm op (``build_shm_op`` then returns None); warn once if asked."""
     import deepspeed.ops
@@ -512,7 +507,7 @@ def prepare_startup(
     cleared = [str(i.path) for i in clear_stale_locks(tuple(OPS), say, strict=False) if i.state == "stale"]
     result = _prepare_shm(world_size, say) if deepspeed_accelerator == "cpu" else StartupOps("not used")
     result.cleared_locks = cleared
-    if _offload_requested(config):
+    if offloads_optimizer(config):
         builder = _ds_builder(OPS[CPU_ADAM])
         if builder is not None and not installed_ops().get(CPU_ADAM):
             if built_library(CPU_ADAM) is None:

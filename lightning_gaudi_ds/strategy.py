@@ -1,24 +1,31 @@
 """``HPUDeepSpeedStrategy``: Lightning's DeepSpeed strategy made device-neutral (HPU, CUDA, CPU).
 
-Only the device-dependent hooks are overridden; everything else (precision plugin, checkpointing, ZeRO-3
-``zero.Init``, optimizer wiring) is Lightning's own ``DeepSpeedStrategy``.
+Only Lightning's hooks live here; they gather facts from the Trainer and delegate: the DeepSpeed config to
+:mod:`lightning_gaudi_ds.config`, the optimizer policy to :mod:`lightning_gaudi_ds.engine`, checkpoints to
+:mod:`lightning_gaudi_ds.checkpoint`, JIT-built ops to :mod:`lightning_gaudi_ds.ops`. Everything else (precision
+plugin, checkpointing, ZeRO-3 ``zero.Init``, optimizer wiring) is Lightning's own ``DeepSpeedStrategy``.
+
+DeepSpeed itself is imported inside the methods that use it: importing it picks DeepSpeed's global accelerator by
+auto-detection (and logs it), which must wait until ``setup_environment`` has chosen the Trainer's device; it
+also adds about a second to ``import lightning_gaudi_ds``.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import inspect
+import json
 import logging
 import os
+import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
+import lightning.pytorch as pl
 import torch
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
-from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
@@ -27,8 +34,29 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_gaudi_ds import checkpoint as ckpt
 from lightning_gaudi_ds import hpu
+from lightning_gaudi_ds._compat import (
+    _format_precision_config,
+    _init_optimizers_and_lr_schedulers,
+    _StrategyRegistry,
+    attached_trainer,
+    deepspeed_accelerator_name,
+    remove_module_hooks,
+    train_dataloaders,
+)
+from lightning_gaudi_ds.config import (
+    CONFIG_FILENAME,
+    AutoContext,
+    ConfigResolver,
+    Resolved,
+    explicit_arguments,
+    hidden_size,
+)
 from lightning_gaudi_ds.devices import DeviceSpec, device_spec, hpu_available, validate_precision
+from lightning_gaudi_ds.engine import train
+from lightning_gaudi_ds.environments import check_launcher_world_size, resolve_environment
+from lightning_gaudi_ds.ops import prepare_startup
 
 if TYPE_CHECKING:
     import deepspeed
@@ -51,52 +79,6 @@ _REGISTERED: tuple[tuple[str, str, dict[str, Any]], ...] = (
 )
 
 
-def _records_explicit_args(init: Callable[..., None]) -> Callable[..., None]:
-    """Wrap ``__init__`` to remember the arguments the caller set (``self._explicit_args``): a set argument can
-    contradict a config, a default cannot. An argument passed with its default value counts as not set:
-    LightningCLI/jsonargparse passes every argument, defaults included, so it cannot be told apart there.
-    ``functools.wraps`` keeps the real signature visible to ``inspect`` and jsonargparse (a ``__new__(*args,
-    **kwargs)`` would hide it)."""
-
-    @functools.wraps(init)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            bound = dict(inspect.signature(init).bind_partial(self, *args, **kwargs).arguments)
-        except TypeError:
-            bound = {}  # __init__ reports the bad call
-        explicit = bound.pop("kwargs", {})
-        explicit.update({k: v for k, v in bound.items() if k != "self"})
-        defaults = _init_defaults(type(self))
-        self._explicit_args = {k: v for k, v in explicit.items() if not _is_default(v, defaults.get(k, _NO_DEFAULT))}
-        init(self, *args, **kwargs)
-
-    return wrapper
-
-
-_NO_DEFAULT = object()
-
-
-def _init_defaults(cls: type) -> dict[str, Any]:
-    """Default values of every ``__init__`` along ``cls``'s MRO (the most derived class wins)."""
-    defaults: dict[str, Any] = {}
-    for klass in reversed(cls.__mro__):
-        init = klass.__dict__.get("__init__")
-        if init is None or klass is object:
-            continue
-        for name, param in inspect.signature(inspect.unwrap(init)).parameters.items():
-            if param.default is not inspect.Parameter.empty:
-                defaults[name] = param.default
-    return defaults
-
-
-def _is_default(value: Any, default: Any) -> bool:
-    if value is default:
-        return True
-    try:
-        return type(value) is type(default) and bool(value == default)
-    except Exception:  # noqa: BLE001  (an exotic __eq__: count the argument as set)
-        return False
-
 
 class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     """DeepSpeed ZeRO stages 0-3 (with CPU/NVMe offload) for Lightning on Intel Gaudi, CUDA GPUs and CPUs.
@@ -115,12 +97,11 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     strategy_name = "hpu_deepspeed"
 
-    @_records_explicit_args
     def __init__(
         self,
         stage: int = 2,
         *,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,  # noqa: F821
+        accelerator: Optional[pl.accelerators.Accelerator] = None,
         config: Optional[Union[_PATH, dict[str, Any]]] = None,
         offload_optimizer: bool = False,
         offload_parameters: bool = False,
@@ -140,18 +121,14 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
                 f"`HPUDeepSpeedStrategy(stage={stage}, offload_parameters=True)`: parameter offload needs ZeRO"
                 " stage 3. Use stage=3, or offload_optimizer=True alone for stages 1-2."
             )
-        super().__init__(
-            accelerator=accelerator,
-            stage=stage,
-            config=config,
-            offload_optimizer=offload_optimizer,
-            offload_parameters=offload_parameters,
-            remote_device=remote_device,
-            nvme_path=nvme_path,
-            process_group_backend=process_group_backend,
-            logging_level=logging_level,
-            **kwargs,
+        arguments = dict(
+            stage=stage, accelerator=accelerator, config=config, offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters, remote_device=remote_device, nvme_path=nvme_path,
+            process_group_backend=process_group_backend, logging_level=logging_level, **kwargs,
         )
+        # Created before Lightning's __init__, which loads the config through _load_config.
+        self._resolver = ConfigResolver(explicit_arguments(type(self), arguments))
+        super().__init__(**arguments)
         self._mark_step: Optional[Callable[[], None]] = None
         self._owns_local_size = False
 
@@ -175,8 +152,9 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def setup_environment(self) -> None:
+        # A copy of Lightning 2.6.6's DeepSpeedStrategy.setup_environment without its gate that refuses every
+        # accelerator but CUDA; plus the device's preparation before the process group starts.
         self._validate_trainer_flags()
-        # Lightning's DeepSpeedStrategy refuses every accelerator but CUDA here; skip that gate only.
         spec = self.device_spec
         if spec.device_type == "hpu":
             hpu.prepare_environment()
@@ -194,13 +172,12 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        # Lightning's version validates CUDA device indices, which CPU/HPU devices do not have.
+        # A copy of Lightning 2.6.6's DeepSpeedStrategy.setup_distributed without _validate_device_index_selection
+        # (CPU and HPU devices have no CUDA index), plus the JIT-op start-up: on every rank, before DeepSpeed
+        # builds anything, clear stale build locks and decide whether the CPU shm comm op is loaded (else plain
+        # torch.distributed collectives).
         reset_seed()
         self.set_world_ranks()
-        # Issue 8 (lightning_gaudi_ds/ops.py): on every rank, before DeepSpeed JIT-builds anything, clear stale
-        # build locks and decide whether the CPU shm comm op is loaded (else plain torch.distributed collectives).
-        from lightning_gaudi_ds.ops import prepare_startup
-
         prepare_startup(self.device_spec.deepspeed_accelerator, self.config, self.world_size)
         self._init_deepspeed_distributed()
 
@@ -212,8 +189,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         """Make DeepSpeed's global accelerator match the Trainer's device (DS_ACCELERATOR may differ)."""
         import deepspeed.accelerator as ds_acc
 
-        current = ds_acc.get_accelerator()
-        if current._name == spec.deepspeed_accelerator:
+        current = deepspeed_accelerator_name()
+        if current == spec.deepspeed_accelerator:
             return
         deterministic_before = torch.are_deterministic_algorithms_enabled()
         if spec.deepspeed_accelerator == "cpu":
@@ -222,14 +199,14 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator as Cls
         else:
             from deepspeed.accelerator.hpu_accelerator import HPU_Accelerator as Cls
-        rank_zero_info(f"DeepSpeed accelerator: {spec.deepspeed_accelerator} (was {current._name})")
+        rank_zero_info(f"DeepSpeed accelerator: {spec.deepspeed_accelerator} (was {current})")
         ds_acc.set_accelerator(Cls())
         if spec.device_type == "hpu":
             hpu.warn_if_deterministic_forced(deterministic_before)
 
     def _validate_trainer_flags(self) -> None:
         """Trainer settings DeepSpeed cannot honour, reported before the process group starts."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = attached_trainer(self.lightning_module)
         if trainer is not None and trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             raise ValueError(
                 "`Trainer(gradient_clip_algorithm='value')` is not supported by DeepSpeed, which clips by norm only."
@@ -237,7 +214,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             )
 
     @override
-    def setup(self, trainer: "pl.Trainer") -> None:  # noqa: F821
+    def setup(self, trainer: pl.Trainer) -> None:
         if self.device_spec.device_type == "hpu":
             self._mark_step = hpu.mark_step_fn()
             if self.lightning_module is not None:
@@ -272,6 +249,9 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def _initialize_deepspeed_inference(self, model: Module) -> None:
+        # A copy of Lightning 2.6.6's DeepSpeedStrategy._initialize_deepspeed_inference with two changes: the
+        # device rank comes from _deepspeed_args (CPU and HPU devices have no index), and a ZeRO-3 config without
+        # `zero_allow_untested_optimizer` gets True rather than a KeyError.
         import deepspeed
 
         assert isinstance(self.config, dict)
@@ -294,26 +274,42 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         )
 
     @override
-    def _init_optimizers(self) -> tuple[Optimizer, Optional[LRSchedulerConfig]]:
-        from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+    def _initialize_deepspeed_train(self, model: Module) -> None:
+        # A copy of Lightning 2.6.6's DeepSpeedStrategy._initialize_deepspeed_train, except that the optimizer and
+        # the scheduler each come from the config *or* from configure_optimizers (Lightning ignores
+        # configure_optimizers once the config has an optimizer), see engine.train.optimizer_sources.
+        optimizer, scheduler_config = self._client_optimizer_and_scheduler()
+        scheduler = scheduler_config.scheduler if scheduler_config is not None else None
+        engine, ds_optimizer = self._setup_model_and_optimizer(model, optimizer, scheduler)
+        self._set_deepspeed_activation_checkpointing()
+        self.optimizers = [ds_optimizer]
+        if engine.lr_scheduler is not None:
+            ds_scheduler, engine.lr_scheduler = engine.lr_scheduler, None  # Lightning steps the scheduler
+            if scheduler_config is None:
+                scheduler_config = LRSchedulerConfig(ds_scheduler, interval="step")
+            else:
+                scheduler_config.scheduler = ds_scheduler
+            self.lr_scheduler_configs = [scheduler_config]
+        self.model = engine
 
+    def _client_optimizer_and_scheduler(self) -> tuple[Optional[Optimizer], Optional[LRSchedulerConfig]]:
+        assert isinstance(self.config, dict)
+        with warnings.catch_warnings():  # None: the config's optimizer is used, or optimizer_sources says what to do
+            warnings.filterwarnings("ignore", message=".*configure_optimizers` returned `None`")
+            optimizer, scheduler_config = self._init_optimizers()
+        return train.optimizer_sources(self.config, optimizer, scheduler_config)
+
+    @override
+    def _init_optimizers(self) -> tuple[Optimizer, Optional[LRSchedulerConfig]]:
         assert self.lightning_module is not None
-        optimizers, schedulers = _init_optimizers_and_lr_schedulers(self.lightning_module)
-        if len(optimizers) != 1 or len(schedulers) > 1:
-            names = [type(o).__name__ for o in optimizers]
-            raise ValueError(
-                f"`configure_optimizers` returned {len(optimizers)} optimizers {names} and {len(schedulers)}"
-                " schedulers; DeepSpeed takes exactly one optimizer and at most one scheduler. Return a single"
-                " optimizer (use parameter groups for different settings)."
-            )
-        optimizer = optimizers[0]
+        optimizer, scheduler_config = train.single_optimizer(*_init_optimizers_and_lr_schedulers(self.lightning_module))
         if hpu.is_fused_adam(optimizer):
             raise ValueError(
                 f"`configure_optimizers` returned Habana's fused optimizer {type(optimizer).__qualname__}, which"
                 " does not work with DeepSpeed. Return a regular optimizer such as torch.optim.AdamW; DeepSpeed"
                 " runs its own optimizer step."
             )
-        return optimizer, schedulers[0] if schedulers else None
+        return optimizer, scheduler_config
 
     # ------------------------------------------------------------------- HPU lazy-mode graph breaks
     @override
@@ -365,115 +361,82 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             os.environ.pop("LOCAL_SIZE", None)
             self._owns_local_size = False
 
-    # -------------------------------------------- DeepSpeed JSON config (issue 3): load, "auto", contradictions
+    # ------------------------------------------------------ DeepSpeed JSON config: load, "auto", contradictions
     # Lightning's __init__ calls _load_config; setup (and ZeRO-3's model_sharded_context) call _init_config_if_needed
-    # -> _format_config, which fills every "auto" with lightning_gaudi_ds.config.resolve_config. The strategy only
-    # gathers the facts (train loader batch size, Trainer flags, module hparams, model hidden size).
+    # -> _format_config. The strategy only gathers the facts (train loader batch size, Trainer flags, module
+    # hparams, model hidden size); self._resolver (config.ConfigResolver) holds the config's state.
     @override
     def _load_config(self, config: Optional[Union[_PATH, dict[str, Any]]]) -> Optional[dict[str, Any]]:
-        from lightning_gaudi_ds.config import load_config, validate_config
-
-        loaded, source = load_config(config)
+        loaded = self._resolver.load(config)
         if loaded is not None:
-            validate_config(loaded, source or "dict")
-            rank_zero_info(f"DeepSpeed config: {source}")
-        self._config_source: Optional[str] = source  # None: Lightning's default config, built from the arguments
-        self._raw_config: Optional[dict[str, Any]] = None  # snapshot of `config` before the first resolution
-        self._config_resolved_for: Optional[tuple[int, Any]] = None
+            rank_zero_info(f"DeepSpeed config: {self._resolver.source}")
         return loaded
 
     @override
     def _init_config_if_needed(self) -> None:
-        # Lightning formats once; resolve again when a fit follows validate/test/predict or comes from a new Trainer.
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        # ZeRO-3's model_sharded_context resolves before configure_model has built any parameter: resolve again
-        # at setup once the model exists, so bucket sizes come from it.
+        # Lightning formats once; resolve again when a fit follows validate/test/predict or comes from a new Trainer,
+        # and when ZeRO-3's model_sharded_context resolved before configure_model built any parameter (bucket
+        # sizes come from the model).
+        trainer = attached_trainer(self.lightning_module)
         has_params = self.lightning_module is not None and any(True for _ in self.lightning_module.parameters())
-        key = (id(trainer), trainer.state.fn if trainer is not None else None, has_params)
-        if not self._config_initialized or key != self._config_resolved_for:
+        facts = (id(trainer), trainer.state.fn if trainer is not None else None, has_params)
+        if not self._config_initialized or facts != self._resolver.resolved_for:
             self._format_config()
             self._config_initialized = True
-            self._config_resolved_for = key
+            self._resolver.resolved_for = facts
 
     @override
     def _format_config(self) -> None:
-        import copy
-
-        from lightning.fabric.strategies.deepspeed import _format_precision_config
-        from lightning.pytorch.trainer.states import TrainerFn
-
-        from lightning_gaudi_ds import config as dsc
-
         assert isinstance(self.config, dict)
-        if self._raw_config is None:
-            self._raw_config = copy.deepcopy(self.config)
-        raw, source = self._raw_config, self._config_source
-        explicit = getattr(self, "_explicit_args", {})  # set by the __init__ wrapper; a subclass may bypass it
         module = self.lightning_module
-        trainer = getattr(module, "_trainer", None)
+        trainer = attached_trainer(module)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        hidden = dsc.hidden_size(module) if module is not None else None
-        if source is None and hidden:  # no user config: size the buckets from the model, not Lightning's 2e8
-            raw = dsc.mark_model_buckets(raw, explicit)
-        raw = copy.deepcopy(raw)  # Lightning's fp16 block (loss-scale arguments) where the config has none
-        _format_precision_config(
-            raw, self.precision_plugin.precision, self.loss_scale, self.loss_scale_window, self.min_loss_scale,
+        hidden = hidden_size(module) if module is not None else None
+        config = self._resolver.start(self.config, hidden)
+        _format_precision_config(  # Lightning's fp16 block (loss-scale arguments) where the config has none
+            config, self.precision_plugin.precision, self.loss_scale, self.loss_scale_window, self.min_loss_scale,
             self.initial_scale_power, self.hysteresis,
         )
-        micro = self._train_loader_batch_size(trainer) if fitting else None
         total = None
-        if fitting and "scheduler" in raw:
+        if fitting and "scheduler" in config:
             steps = trainer.estimated_stepping_batches
             total = int(steps) if steps != float("inf") else None
-        ctx = dsc.AutoContext(
+        self.config = self._resolver.resolve(config, AutoContext(
             world_size=self.world_size,
             accumulate_grad_batches=trainer.accumulate_grad_batches if trainer is not None else 1,
-            micro_batch_size=micro,
+            micro_batch_size=self._train_loader_batch_size(trainer) if fitting else None,
             gradient_clip_val=trainer.gradient_clip_val if trainer is not None else None,
             precision=self.precision_plugin.precision,
             hparams=dict(getattr(module, "hparams", None) or {}),
             total_steps=total,
             hidden_size=hidden,
-            strategy_args=explicit if source is not None else {},
             fitting=fitting,
-        )
-        resolved = dsc.resolve_config(raw, ctx, source or "built from HPUDeepSpeedStrategy's arguments")
-        self.config = resolved.config
-        if fitting:  # published at on_train_start: a file in the logger's directory before it starts would make
-            # CSVLogger warn that the directory "exists and is not empty"
-            self._config_to_publish = (resolved, dsc.bucket_hints(raw, hidden) if source is not None else [])
+        ))
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        pending = getattr(self, "_config_to_publish", None)
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        if pending is not None and trainer is not None:
-            self._config_to_publish = None
-            self._publish_config(pending[0], trainer, pending[1])
+        # Published only now: a file in the logger's directory before training starts would make CSVLogger warn
+        # that the directory "exists and is not empty".
+        trainer = attached_trainer(self.lightning_module)
+        pending = self._resolver.take_unpublished() if trainer is not None else None
+        if pending is not None:
+            self._publish_config(*pending, trainer)
 
     @staticmethod
-    def _train_loader_batch_size(trainer: "pl.Trainer") -> Optional[int]:  # noqa: F821
-        """The train DataLoader's batch size, building the loader as Trainer.estimated_stepping_batches does (after
-        LightningDataModule.setup has run); the fit loop then reuses it."""
-        loop = trainer.fit_loop
-        if loop._combined_loader is None:
-            loop.setup_data()
-        if loop._combined_loader is None:
+    def _train_loader_batch_size(trainer: pl.Trainer) -> Optional[int]:
+        """The batch size every train DataLoader shares, or None."""
+        loaders = train_dataloaders(trainer)
+        if loaders is None:
             return None
         sizes = set()
-        for loader in loop._combined_loader.flattened:
+        for loader in loaders:
             size = getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
             sizes.add(size if isinstance(size, int) else None)
         return sizes.pop() if len(sizes) == 1 else None
 
-    def _publish_config(self, resolved: Any, trainer: "pl.Trainer", hints: list[str]) -> None:  # noqa: F821
+    def _publish_config(self, resolved: Resolved, hints: list[str], trainer: pl.Trainer) -> None:
         """Log the resolved config once (rank 0) and write it next to the run's logs, to reproduce the run."""
-        import json
-        from pathlib import Path
-
-        from lightning_gaudi_ds.config import CONFIG_FILENAME
-
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank calls it
         if not self.is_global_zero:
             return
@@ -486,90 +449,18 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         for hint in hints:
             rank_zero_info(hint)
 
-    @override
-    def _initialize_deepspeed_train(self, model: Module) -> None:
-        # Lightning's version, except that the optimizer and scheduler may come from the config *or* from
-        # configure_optimizers (never both), and a torch Adam/AdamW becomes DeepSpeedCPUAdam under ZeRO-Offload.
-        optimizer, scheduler_config = self._client_optimizer_and_scheduler()
-        scheduler = scheduler_config.scheduler if scheduler_config is not None else None
-        engine, ds_optimizer = self._setup_model_and_optimizer(model, optimizer, scheduler)
-        self._set_deepspeed_activation_checkpointing()
-        self.optimizers = [ds_optimizer]
-        if engine.lr_scheduler is not None:
-            ds_scheduler, engine.lr_scheduler = engine.lr_scheduler, None  # Lightning steps the scheduler
-            if scheduler_config is None:
-                scheduler_config = LRSchedulerConfig(ds_scheduler, interval="step")
-            else:
-                scheduler_config.scheduler = ds_scheduler
-            self.lr_scheduler_configs = [scheduler_config]
-        self.model = engine
-
-    def _client_optimizer_and_scheduler(self) -> tuple[Optional[Optimizer], Optional[LRSchedulerConfig]]:
-        import warnings
-
-        from lightning.pytorch.core.optimizer import _MockOptimizer
-
-        from lightning_gaudi_ds import optim
-
-        assert isinstance(self.config, dict)
-        with warnings.catch_warnings():  # None: the config's optimizer is used, or the error below says what to do
-            warnings.filterwarnings("ignore", message=".*configure_optimizers` returned `None`")
-            optimizer, scheduler_config = self._init_optimizers()
-        client: Optional[Optimizer] = None if isinstance(optimizer, _MockOptimizer) else optimizer
-        both = [
-            f"`{section}` section ({(self.config[section] or {}).get('type')}) and configure_optimizers returned"
-            f" {type(obj).__name__}"
-            for section, obj in (("optimizer", client), ("scheduler", getattr(scheduler_config, "scheduler", None)))
-            if section in self.config and obj is not None
-        ]
-        if both:
-            raise ValueError(
-                f"The DeepSpeed config has an {' and an '.join(both)}; DeepSpeed takes each from one place. Remove"
-                " the section from the config, or return nothing for it from configure_optimizers"
-                " (`return None` to use the config's optimizer)."
-            )
-        if client is None and "optimizer" not in self.config:
-            raise ValueError(
-                "configure_optimizers returned None and the DeepSpeed config has no `optimizer` section, so there is"
-                ' nothing to train with. Return an optimizer, or add e.g. "optimizer": {"type": "AdamW", "params":'
-                ' {"lr": "auto"}} to the config.'
-            )
-        if client is not None and self._offloads_optimizer() and self.config.get("zero_force_ds_cpu_optimizer", True):
-            if not optim.is_convertible(client):
-                raise ValueError(
-                    f"ZeRO-Offload steps the optimizer on the CPU with DeepSpeedCPUAdam, and configure_optimizers"
-                    f" returned {type(client).__qualname__}, which DeepSpeed refuses with offload. Return"
-                    " torch.optim.AdamW or torch.optim.Adam (converted for you), put an `optimizer` section in the"
-                    ' config, or set "zero_force_ds_cpu_optimizer": false to keep it (slow).'
-                )
-            before = type(client).__name__
-            client = optim.to_cpu_adam(client, getattr(scheduler_config, "scheduler", None))
-            rank_zero_info(
-                f"ZeRO-Offload: training with DeepSpeedCPUAdam (adamw_mode={client.adam_w_mode}) in place of the"
-                f" torch.optim.{before} from configure_optimizers, with the same parameter groups and hyperparameters;"
-                " DeepSpeed refuses a torch optimizer with offload."
-            )
-        return client, scheduler_config
-
-    def _offloads_optimizer(self) -> bool:
-        zero = self.config.get("zero_optimization") if isinstance(self.config, dict) else None
-        offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
-        return isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme")
-
-    # ------------------------------------------------ external launchers (issue 4: torchrun, deepspeed, mpirun)
+    # ------------------------------------------------ external launchers (torchrun, deepspeed, mpirun)
     @override
     def set_world_ranks(self) -> None:
         # The Trainer's constructor calls this right after it picked the cluster environment and before
         # `_configure_launcher`: adopt DeepSpeed's launcher (Lightning takes it for a single-node launch) and
         # refuse a launcher whose process count disagrees with devices x num_nodes, before anything starts.
-        from lightning_gaudi_ds.environments import check_launcher_world_size, resolve_environment
-
         self.cluster_environment = resolve_environment(self.cluster_environment)
         if self.parallel_devices is not None:
             check_launcher_world_size(self.cluster_environment, self.num_processes, self.num_nodes)
         super().set_world_ranks()
 
-    # ------------------------------------------- checkpoints (issue 5: crash-safe saves, validation, resharding)
+    # ------------------------------------------- checkpoints: crash-safe saves, validation, resharding
     # Saves go to `<name>.partial`; rank 0 adds a manifest and renames it into place only after every rank wrote
     # its shard, so `<name>` (and ModelCheckpoint's "last") is always complete. Loads validate first and go through
     # a DeepSpeed universal checkpoint when the world size changed. The logic lives in lightning_gaudi_ds.checkpoint.
@@ -581,8 +472,6 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Optional[Any] = None) -> None:
-        from lightning_gaudi_ds import checkpoint as ckpt
-
         if storage_options is not None:  # Lightning's own error
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         final = self.broadcast(str(filepath))
@@ -598,8 +487,6 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if self.load_full_weights and self.zero_stage_3:
             return super().load_checkpoint(checkpoint_path, weights_only)
-        from lightning_gaudi_ds import checkpoint as ckpt
-
         info = ckpt.validate_checkpoint(checkpoint_path, zero_stage=self.zero_stage)
         if info.world_size == self.world_size or info.zero_stage == 0:  # stage 0: DeepSpeed's own loader
             return super().load_checkpoint(checkpoint_path, weights_only)
@@ -607,8 +494,6 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        from lightning_gaudi_ds import checkpoint as ckpt
-
         if self.is_global_zero:
             ckpt.remove_checkpoint(filepath)
 
@@ -623,6 +508,4 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 def _is_mean(reduce_op: Any) -> bool:
     if isinstance(reduce_op, str):
         return reduce_op.lower() in ("mean", "avg")
-    from torch.distributed import ReduceOp
-
-    return reduce_op == ReduceOp.AVG
+    return bool(reduce_op == torch.distributed.ReduceOp.AVG)

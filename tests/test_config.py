@@ -440,7 +440,7 @@ class TestStrategyWiring:
         path.write_text(json.dumps(SEED))
         monkeypatch.setenv(dsc.ENV_VAR, str(path))
         strategy = _strategy()
-        assert strategy.config == SEED and strategy._config_source == f"${dsc.ENV_VAR}={path}"
+        assert strategy.config == SEED and strategy._resolver.source == f"${dsc.ENV_VAR}={path}"
         user = copy.deepcopy(SEED)
         assert _strategy(config=user).config is not user
 
@@ -449,14 +449,14 @@ class TestStrategyWiring:
 
         import lightning_gaudi_ds  # noqa: F401  (registers the names)
 
-        assert _strategy(config=SEED)._explicit_args == {"config": SEED}
-        assert _strategy(stage=3, offload_optimizer=True, reduce_bucket_size=5)._explicit_args == {
+        assert _strategy(config=SEED)._resolver.explicit_args == {"config": SEED}
+        assert _strategy(stage=3, offload_optimizer=True, reduce_bucket_size=5)._resolver.explicit_args == {
             "stage": 3, "offload_optimizer": True, "reduce_bucket_size": 5}
         from lightning_gaudi_ds import HPUDeepSpeedStrategy
 
-        assert HPUDeepSpeedStrategy(1)._explicit_args == {"stage": 1}
+        assert HPUDeepSpeedStrategy(1)._resolver.explicit_args == {"stage": 1}
         named = StrategyRegistry.get("hpu_deepspeed_stage_2_offload")
-        assert named._explicit_args == {"offload_optimizer": True}  # stage=2 is the default
+        assert named._resolver.explicit_args == {"offload_optimizer": True}  # stage=2 is the default
         # LightningCLI passes every argument, defaults included: only values that differ from a default count
         import inspect
 
@@ -466,12 +466,12 @@ class TestStrategyWiring:
                       for name, p in inspect.signature(cls.__init__).parameters.items()
                       if p.default is not inspect.Parameter.empty}
         everything["stage"] = 3
-        assert HPUDeepSpeedStrategy(**everything)._explicit_args == {"stage": 3}
-        assert copy.deepcopy(named)._explicit_args == named._explicit_args
+        assert HPUDeepSpeedStrategy(**everything)._resolver.explicit_args == {"stage": 3}
+        assert copy.deepcopy(named)._resolver.explicit_args == named._resolver.explicit_args
 
     def test_default_config_is_lightning_s(self) -> None:
         strategy = _strategy(stage=3)
-        assert strategy._config_source is None
+        assert strategy._resolver.source is None
         assert strategy.config["zero_optimization"]["stage"] == 3
         assert strategy.config["zero_optimization"]["reduce_bucket_size"] == 200_000_000  # sized from the model at setup
 
@@ -554,7 +554,7 @@ class TestCpuAdam:
 
     @pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
     def test_same_groups_and_hyperparameters(self, cls: type) -> None:
-        from lightning_gaudi_ds.optim import to_cpu_adam
+        from lightning_gaudi_ds.engine.train import to_cpu_adam
 
         torch_opt = cls(self._groups(), lr=0.01, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.05)
         cpu = to_cpu_adam(torch_opt)
@@ -567,7 +567,7 @@ class TestCpuAdam:
             (0.01, (0.8, 0.9), 1e-6, 0.05), (0.5, (0.8, 0.9), 1e-6, 0.0)]
 
     def test_scheduler_follows_without_warning(self) -> None:
-        from lightning_gaudi_ds.optim import to_cpu_adam
+        from lightning_gaudi_ds.engine.train import to_cpu_adam
 
         torch_opt = torch.optim.AdamW(self._groups(), lr=0.1)
         sched = torch.optim.lr_scheduler.StepLR(torch_opt, step_size=1, gamma=0.5)
@@ -582,7 +582,7 @@ class TestCpuAdam:
         assert [g["lr"] for g in cpu.param_groups] == [0.05, 0.25]
 
     def test_unsupported_options(self) -> None:
-        from lightning_gaudi_ds.optim import to_cpu_adam
+        from lightning_gaudi_ds.engine.train import to_cpu_adam
 
         with pytest.raises(ValueError, match=r"DeepSpeedCPUAdam, which has no amsgrad; configure_optimizers returned"
                                              r" AdamW\(amsgrad=True\)"):

@@ -150,3 +150,19 @@ def test_cpu_local_size_spares_deepspeed_a_numactl_subprocess_per_call(monkeypat
         assert get_accelerator().device_count() == 2
     trainer.strategy.teardown()
     assert "LOCAL_SIZE" not in os.environ  # a later Trainer must not take it for a launcher's
+
+
+@pytest.mark.parametrize("cls", [HPUDeepSpeedStrategy, HPUAccelerator, lightning_gaudi_ds.DistributedRunner])
+def test_init_annotations_resolve(cls: type) -> None:
+    # jsonargparse (LightningCLI) and API docs evaluate the annotations; a name that is not importable raises.
+    import typing
+
+    hints = typing.get_type_hints(cls.__init__)
+    assert hints["return"] is type(None)
+
+
+def test_error_types_exported() -> None:
+    for name in ("ConfigError", "CheckpointError", "CheckpointNotFoundError", "IncompleteCheckpointError",
+                 "HostfileError", "BuildLockError"):
+        err = getattr(lightning_gaudi_ds, name)
+        assert issubclass(err, Exception) and name in lightning_gaudi_ds.__all__

@@ -1,0 +1,131 @@
+"""Every private name of Lightning, DeepSpeed and torch the package relies on, in one place.
+
+An upgrade that removes or renames one breaks it here, and ``tests/test_compat.py`` says which Lightning /
+DeepSpeed / torch version removed what, and which part of this package used it. One section per area; code
+elsewhere imports these names from here, never the private path itself.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.strategies.deepspeed import _format_precision_config
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
+from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = [
+    "COPIED_DEEPSPEED_STRATEGY_METHODS",
+    "COPIED_FROM_LIGHTNING_VERSION",
+    "DEEPSPEED_STRATEGY_ATTRIBUTES",
+    "OVERRIDDEN_DEEPSPEED_STRATEGY_HOOKS",
+    "_MockOptimizer",
+    "_StrategyRegistry",
+    "_format_precision_config",
+    "_init_optimizers_and_lr_schedulers",
+    "attached_trainer",
+    "deepspeed_accelerator_name",
+    "deepspeed_removed_config_keys",
+    "mark_step_wrapped_for_lr_scheduler",
+    "remove_module_hooks",
+    "train_dataloaders",
+]
+
+
+# ================================================================ strategy, config and engine (layout-core)
+# Lightning's private DeepSpeedStrategy methods HPUDeepSpeedStrategy overrides or calls. If Lightning renames one,
+# the override silently stops being called (or the call fails), so the test checks each still exists.
+OVERRIDDEN_DEEPSPEED_STRATEGY_HOOKS = (
+    "_configure_launcher",  # validate precision/device before any process starts
+    "_get_process_group_backend",  # the device's backend (gloo, nccl, hccl)
+    "_load_config",  # load + validate the user's config
+    "_init_config_if_needed",  # resolve again for a new Trainer / a fit after validate
+    "_format_config",  # fill "auto" from the Trainer
+    "_initialize_deepspeed_train",  # optimizer from the config or configure_optimizers
+    "_initialize_deepspeed_inference",  # device_rank on CPU/HPU
+    "_setup_model_and_optimizer",  # device_rank on CPU/HPU
+    "_init_optimizers",  # one optimizer, no Habana fused optimizer
+    "_init_deepspeed_distributed",  # called from our setup_distributed
+    "_set_deepspeed_activation_checkpointing",  # called from our _initialize_deepspeed_train
+)
+# Private attributes of Lightning's DeepSpeedStrategy instances the strategy reads or sets.
+DEEPSPEED_STRATEGY_ATTRIBUTES = ("_config_initialized", "_process_group_backend")
+
+# Methods of Lightning's DeepSpeedStrategy that HPUDeepSpeedStrategy copies with a change, and the hash of the
+# Lightning source they copy (see _source_digest). A different hash means Lightning changed the original: carry
+# its change over into the copy, then update the hash.
+COPIED_FROM_LIGHTNING_VERSION = "2.6.6"
+COPIED_DEEPSPEED_STRATEGY_METHODS: dict[str, str] = {
+    "setup_environment": "d8046a5e0e133d04",  # without the CUDA-only gate
+    "setup_distributed": "d8ce45e1f34e061c",  # without the CUDA device-index check, plus the JIT-op start-up
+    "_initialize_deepspeed_train": "f2a07b4c1db8f7dd",  # the optimizer may come from the config or the module
+    "_initialize_deepspeed_inference": "cb20fc28d95bf969",  # device_rank for CPU/HPU
+}
+
+
+def _source_digest(function: Any) -> str:
+    """sha256 of a function's source, without blank lines, comments and indentation changes."""
+    import hashlib
+    import inspect
+
+    lines = [line.strip() for line in inspect.getsource(function).splitlines()]
+    code = "\n".join(line for line in lines if line and not line.startswith("#"))
+    return hashlib.sha256(code.encode()).hexdigest()[:16]
+
+
+def attached_trainer(module: Optional[Any]) -> Optional["pl.Trainer"]:
+    """The Trainer a LightningModule is attached to, or None (``LightningModule.trainer`` raises when detached)."""
+    return getattr(module, "_trainer", None)
+
+
+def train_dataloaders(trainer: "pl.Trainer") -> Optional[list[Any]]:
+    """The train DataLoaders of a fit, built as ``Trainer.estimated_stepping_batches`` builds them (after
+    ``LightningDataModule.setup``); the fit loop reuses them. None when there is no train loader."""
+    loop = trainer.fit_loop
+    if loop._combined_loader is None:
+        loop.setup_data()
+    if loop._combined_loader is None:
+        return None
+    return list(loop._combined_loader.flattened)
+
+
+def deepspeed_accelerator_name() -> str:
+    """The name of DeepSpeed's global accelerator (``"cpu"``, ``"cuda"``, ``"hpu"``); DeepSpeed has no public
+    getter. Importing DeepSpeed picks that accelerator by auto-detection, so it is imported on first use."""
+    from deepspeed.accelerator import get_accelerator
+
+    return str(get_accelerator()._name)
+
+
+def deepspeed_removed_config_keys() -> tuple[Mapping[str, str], Mapping[str, str]]:
+    """``(top-level, zero_optimization)`` config keys this DeepSpeed has removed, with DeepSpeed's explanation.
+    DeepSpeed versions before the removals have no such tables: nothing is removed there."""
+    import deepspeed.runtime.config as ds_config
+
+    return (
+        getattr(ds_config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {}),
+        getattr(ds_config, "_REMOVED_ZERO_CONFIG_KEYS", {}),
+    )
+
+
+def mark_step_wrapped_for_lr_scheduler(optimizer: Any) -> None:
+    """Give ``optimizer.step`` the marks torch's ``LRScheduler`` puts on the step it wraps when it is built.
+
+    A scheduler re-pointed at a new optimizer (ZeRO-Offload's DeepSpeedCPUAdam in place of the user's AdamW) would
+    otherwise warn on its first step that "optimizer.step() has been overridden after learning rate scheduler
+    initialization" (torch checks ``_wrapped_by_lr_sched`` on the step and ``_opt_called`` on the optimizer).
+    """
+    import functools
+
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper

@@ -1,0 +1,57 @@
+"""DeepSpeed JSON configs, as pure ``dict -> dict`` functions: nothing here starts or queries ``torch.distributed``
+or knows the strategy.
+
+- :mod:`.load`: read a path, dict or ``$PL_DEEPSPEED_CONFIG_PATH``; check keys against DeepSpeed's own.
+- :mod:`.resolve`: fill every ``"auto"`` from the facts the strategy gathers (:class:`AutoContext`), one function
+  per config section; :class:`ConfigResolver` keeps a strategy's config across Trainer calls.
+- :mod:`.sizing`: the model's hidden size and the bucket sizes it implies.
+"""
+
+from lightning_gaudi_ds.config.keys import (
+    AUTO,
+    AUTO_KEYS,
+    BUCKET_KEYS,
+    CONFIG_FILENAME,
+    STRATEGY_ARG_KEYS,
+    TRAINER_KEYS,
+    ZERO,
+    offloads_optimizer,
+)
+from lightning_gaudi_ds.config.load import ENV_VAR, INLINE_KEYS, ConfigError, iter_auto, known_keys, load_config, validate_config
+from lightning_gaudi_ds.config.resolve import (
+    AutoContext,
+    ConfigResolver,
+    Resolved,
+    explicit_arguments,
+    resolve_config,
+    strategy_arg_values,
+)
+from lightning_gaudi_ds.config.sizing import bucket_hints, bucket_sizes, hidden_size, mark_model_buckets
+
+__all__ = [
+    "AUTO",
+    "AUTO_KEYS",
+    "BUCKET_KEYS",
+    "CONFIG_FILENAME",
+    "ENV_VAR",
+    "INLINE_KEYS",
+    "STRATEGY_ARG_KEYS",
+    "TRAINER_KEYS",
+    "ZERO",
+    "AutoContext",
+    "ConfigError",
+    "ConfigResolver",
+    "Resolved",
+    "bucket_hints",
+    "bucket_sizes",
+    "explicit_arguments",
+    "hidden_size",
+    "iter_auto",
+    "known_keys",
+    "load_config",
+    "mark_model_buckets",
+    "offloads_optimizer",
+    "resolve_config",
+    "strategy_arg_values",
+    "validate_config",
+]

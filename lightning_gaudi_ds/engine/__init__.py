@@ -1,0 +1,1 @@
+"""Building DeepSpeed engines: :mod:`.train` (optimizer sources, ZeRO-Offload's optimizer)."""

@@ -1,0 +1,124 @@
+"""Where the training optimizer and scheduler come from, and ZeRO-Offload's optimizer.
+
+The optimizer and the scheduler each come from the DeepSpeed config *or* from ``configure_optimizers``, never both.
+ZeRO-Offload steps the optimizer on the CPU with DeepSpeed's ``DeepSpeedCPUAdam``; users write
+``torch.optim.AdamW``. DeepSpeed refuses a torch optimizer when offload is on, so it is converted here, keeping
+every parameter group and hyperparameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.types import LRSchedulerConfig
+from torch.optim import Optimizer
+
+from lightning_gaudi_ds._compat import _MockOptimizer, mark_step_wrapped_for_lr_scheduler
+from lightning_gaudi_ds.config import offloads_optimizer
+
+#: Exact types converted (a subclass may change the update rule, so it is not converted).
+CONVERTIBLE = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def is_convertible(optimizer: Optimizer) -> bool:
+    return type(optimizer) in CONVERTIBLE
+
+
+def to_cpu_adam(optimizer: Optimizer, scheduler: Optional[Any] = None) -> Optimizer:
+    """A ``DeepSpeedCPUAdam`` over ``optimizer``'s parameter groups, with its lr, betas, eps and weight decay.
+
+    The new optimizer holds the *same* group dicts, and ``scheduler`` (if any) is pointed at it, so a learning-rate
+    scheduler built in ``configure_optimizers`` keeps driving the learning rate. ``torch.optim.AdamW`` (decoupled
+    weight decay) becomes ``adamw_mode=True``, ``torch.optim.Adam`` (L2 penalty) ``adamw_mode=False``.
+    """
+    if not is_convertible(optimizer):
+        raise TypeError(f"{type(optimizer).__qualname__} cannot be converted; only {[c.__name__ for c in CONVERTIBLE]}")
+    unsupported = sorted({k for g in optimizer.param_groups for k in ("amsgrad", "maximize") if g.get(k)})
+    if unsupported:
+        raise ValueError(
+            f"ZeRO-Offload trains with DeepSpeedCPUAdam, which has no {' / '.join(unsupported)}; configure_optimizers"
+            f" returned {type(optimizer).__name__}({', '.join(f'{k}=True' for k in unsupported)}). Drop that option,"
+            " or turn offload_optimizer off."
+        )
+    from deepspeed.ops.adam import DeepSpeedCPUAdam  # importing DeepSpeed picks its accelerator: not before setup
+
+    defaults = optimizer.defaults
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(defaults.get("decoupled_weight_decay", False))
+    for group in optimizer.param_groups:  # DeepSpeedCPUAdam's C++ step takes plain floats
+        group["lr"] = float(group["lr"])
+        group["betas"] = tuple(float(b) for b in group["betas"])
+    cpu_adam = DeepSpeedCPUAdam(
+        optimizer.param_groups,
+        lr=float(defaults["lr"]),
+        betas=tuple(float(b) for b in defaults["betas"]),
+        eps=float(defaults["eps"]),
+        weight_decay=float(defaults["weight_decay"]),
+        adamw_mode=decoupled,
+    )
+    if scheduler is not None and getattr(scheduler, "optimizer", None) is optimizer:
+        scheduler.optimizer = cpu_adam
+        mark_step_wrapped_for_lr_scheduler(cpu_adam)
+    return cpu_adam
+
+
+def optimizer_sources(
+    config: Mapping[str, Any], optimizer: Optimizer, scheduler_config: Optional[LRSchedulerConfig]
+) -> tuple[Optional[Optimizer], Optional[LRSchedulerConfig]]:
+    """The optimizer and scheduler to hand to ``deepspeed.initialize`` besides the config's own sections.
+
+    ``optimizer`` and ``scheduler_config`` are what ``configure_optimizers`` returned (Lightning's
+    ``_MockOptimizer`` when it returned None). Raises ValueError when the config and the module both supply one,
+    when neither supplies an optimizer, or when ZeRO-Offload is on and the optimizer cannot become
+    DeepSpeedCPUAdam; converts a torch Adam/AdamW under ZeRO-Offload.
+    """
+    client: Optional[Optimizer] = None if isinstance(optimizer, _MockOptimizer) else optimizer
+    both = [
+        f"`{section}` section ({(config[section] or {}).get('type')}) and configure_optimizers returned"
+        f" {type(obj).__name__}"
+        for section, obj in (("optimizer", client), ("scheduler", getattr(scheduler_config, "scheduler", None)))
+        if section in config and obj is not None
+    ]
+    if both:
+        raise ValueError(
+            f"The DeepSpeed config has an {' and an '.join(both)}; DeepSpeed takes each from one place. Remove"
+            " the section from the config, or return nothing for it from configure_optimizers"
+            " (`return None` to use the config's optimizer)."
+        )
+    if client is None and "optimizer" not in config:
+        raise ValueError(
+            "configure_optimizers returned None and the DeepSpeed config has no `optimizer` section, so there is"
+            ' nothing to train with. Return an optimizer, or add e.g. "optimizer": {"type": "AdamW", "params":'
+            ' {"lr": "auto"}} to the config.'
+        )
+    if client is not None and offloads_optimizer(config) and config.get("zero_force_ds_cpu_optimizer", True):
+        if not is_convertible(client):
+            raise ValueError(
+                f"ZeRO-Offload steps the optimizer on the CPU with DeepSpeedCPUAdam, and configure_optimizers"
+                f" returned {type(client).__qualname__}, which DeepSpeed refuses with offload. Return"
+                " torch.optim.AdamW or torch.optim.Adam (converted for you), put an `optimizer` section in the"
+                ' config, or set "zero_force_ds_cpu_optimizer": false to keep it (slow).'
+            )
+        before = type(client).__name__
+        client = to_cpu_adam(client, getattr(scheduler_config, "scheduler", None))
+        rank_zero_info(
+            f"ZeRO-Offload: training with DeepSpeedCPUAdam (adamw_mode={client.adam_w_mode}) in place of the"
+            f" torch.optim.{before} from configure_optimizers, with the same parameter groups and hyperparameters;"
+            " DeepSpeed refuses a torch optimizer with offload."
+        )
+    return client, scheduler_config
+
+
+def single_optimizer(
+    optimizers: list[Optimizer], schedulers: list[LRSchedulerConfig]
+) -> tuple[Optimizer, Optional[LRSchedulerConfig]]:
+    """The one optimizer and at most one scheduler DeepSpeed takes, from what ``configure_optimizers`` returned."""
+    if len(optimizers) != 1 or len(schedulers) > 1:
+        names = [type(o).__name__ for o in optimizers]
+        raise ValueError(
+            f"`configure_optimizers` returned {len(optimizers)} optimizers {names} and {len(schedulers)}"
+            " schedulers; DeepSpeed takes exactly one optimizer and at most one scheduler. Return a single"
+            " optimizer (use parameter groups for different settings)."
+        )
+    return optimizers[0], schedulers[0] if schedulers else None

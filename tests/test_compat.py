@@ -1,0 +1,161 @@
+"""Every private Lightning/DeepSpeed/torch name in lightning_gaudi_ds/_compat.py still exists and behaves as used.
+
+Each test fails with "<library> <version> removed/changed <name>, used by <part of this package>", so an upgrade
+that breaks a touchpoint says which one. One section per area, matching _compat.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from importlib.metadata import version
+from typing import Any
+
+import pytest
+
+LIGHTNING = f"Lightning {version('lightning')}"
+DEEPSPEED = f"DeepSpeed {version('deepspeed')}"
+TORCH = f"torch {version('torch')}"
+
+
+def _attr(module: str, name: str, library: str, used_by: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        pytest.fail(f"{library} removed {module}.{name}, used by {used_by}")
+
+
+# ================================================================ strategy, config and engine (layout-core)
+@pytest.mark.parametrize(
+    ("module", "name", "used_by"),
+    [
+        ("lightning.fabric.strategies", "_StrategyRegistry", "HPUDeepSpeedStrategy.register_strategies"),
+        ("lightning.fabric.strategies.deepspeed", "_format_precision_config",
+         "HPUDeepSpeedStrategy._format_config (Lightning's fp16 block)"),
+        ("lightning.pytorch.core.optimizer", "_MockOptimizer",
+         "engine.train.optimizer_sources (configure_optimizers returned None)"),
+        ("lightning.pytorch.core.optimizer", "_init_optimizers_and_lr_schedulers", "HPUDeepSpeedStrategy._init_optimizers"),
+        ("lightning.pytorch.strategies.deepspeed", "remove_module_hooks",
+         "HPUDeepSpeedStrategy._initialize_deepspeed_inference"),
+    ],
+)
+def test_lightning_private_names(module: str, name: str, used_by: str) -> None:
+    assert callable(_attr(module, name, LIGHTNING, used_by))
+
+
+def test_format_precision_config_signature() -> None:
+    from lightning_gaudi_ds._compat import _format_precision_config
+
+    params = list(inspect.signature(_format_precision_config).parameters)
+    expected = ["config", "precision", "loss_scale", "loss_scale_window", "min_loss_scale", "initial_scale_power",
+                "hysteresis"]
+    assert params == expected, (
+        f"{LIGHTNING} changed _format_precision_config's parameters to {params}; HPUDeepSpeedStrategy._format_config"
+        f" passes them positionally as {expected}"
+    )
+    config: dict[str, Any] = {}
+    _format_precision_config(config, "16-mixed", 0, 1000, 1, 16, 2)
+    assert config.get("fp16", {}).get("enabled") is True, f"{LIGHTNING}: _format_precision_config adds no fp16 block"
+
+
+def test_overridden_deepspeed_strategy_hooks_exist() -> None:
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from lightning_gaudi_ds._compat import OVERRIDDEN_DEEPSPEED_STRATEGY_HOOKS
+
+    missing = [name for name in OVERRIDDEN_DEEPSPEED_STRATEGY_HOOKS if not callable(getattr(DeepSpeedStrategy, name, None))]
+    assert not missing, (
+        f"{LIGHTNING} removed DeepSpeedStrategy.{', '.join(missing)}, overridden or called by HPUDeepSpeedStrategy:"
+        " the override is no longer called"
+    )
+
+
+def test_deepspeed_strategy_attributes_exist() -> None:
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+    from lightning_gaudi_ds._compat import DEEPSPEED_STRATEGY_ATTRIBUTES
+
+    strategy = HPUDeepSpeedStrategy()
+    missing = [name for name in DEEPSPEED_STRATEGY_ATTRIBUTES if not hasattr(strategy, name)]
+    assert not missing, f"{LIGHTNING} removed DeepSpeedStrategy attribute(s) {missing}, used by HPUDeepSpeedStrategy"
+
+
+@pytest.mark.parametrize("name", ["setup_environment", "setup_distributed", "_initialize_deepspeed_train",
+                                  "_initialize_deepspeed_inference"])
+def test_copied_lightning_methods_unchanged(name: str) -> None:
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from lightning_gaudi_ds._compat import COPIED_DEEPSPEED_STRATEGY_METHODS, COPIED_FROM_LIGHTNING_VERSION, _source_digest
+
+    digest = _source_digest(getattr(DeepSpeedStrategy, name))
+    assert digest == COPIED_DEEPSPEED_STRATEGY_METHODS[name], (
+        f"{LIGHTNING} changed DeepSpeedStrategy.{name}, which HPUDeepSpeedStrategy.{name} copies from Lightning"
+        f" {COPIED_FROM_LIGHTNING_VERSION}: carry the change over, then set its hash in _compat.py to {digest!r}"
+    )
+
+
+def test_lightning_module_trainer_attribute() -> None:
+    import lightning as L
+
+    from lightning_gaudi_ds._compat import attached_trainer
+
+    module = L.LightningModule()
+    assert attached_trainer(module) is None
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    module.trainer = trainer
+    assert attached_trainer(module) is trainer, (
+        f"{LIGHTNING} no longer keeps the Trainer in LightningModule._trainer, read by HPUDeepSpeedStrategy"
+        " (config resolution, Trainer flag checks)"
+    )
+
+
+def test_fit_loop_combined_loader() -> None:
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+    from torch.utils.data import DataLoader
+
+    from lightning_gaudi_ds._compat import train_dataloaders
+
+    class Model(BoringModel):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(RandomDataset(32, 8), batch_size=2)
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, max_steps=1)
+    model = Model()
+    model.trainer = trainer
+    trainer.strategy.connect(model)
+    trainer.fit_loop._data_source.instance = model  # what Trainer.fit sets before setup
+    try:
+        loaders = train_dataloaders(trainer)
+    except AttributeError as err:
+        pytest.fail(f"{LIGHTNING} changed the fit loop ({err}); fit_loop._combined_loader / setup_data are used by"
+                    " HPUDeepSpeedStrategy to read the train DataLoader's batch size for the DeepSpeed config")
+    assert loaders is not None and [getattr(d, "batch_size", None) for d in loaders] == [2], (
+        f"{LIGHTNING}: fit_loop._combined_loader.flattened no longer lists the train DataLoaders"
+    )
+
+
+def test_deepspeed_accelerator_name() -> None:
+    from lightning_gaudi_ds._compat import deepspeed_accelerator_name
+
+    try:
+        name = deepspeed_accelerator_name()
+    except AttributeError:
+        pytest.fail(f"{DEEPSPEED} removed the accelerator's _name, read by HPUDeepSpeedStrategy._select_deepspeed_accelerator")
+    assert name in ("cpu", "cuda", "hpu", "xpu", "npu", "mps", "mlu")
+
+
+@pytest.mark.parametrize("name", ["_REMOVED_TOP_LEVEL_CONFIG_KEYS", "_REMOVED_ZERO_CONFIG_KEYS"])
+def test_deepspeed_removed_key_tables(name: str) -> None:
+    table = _attr("deepspeed.runtime.config", name, DEEPSPEED, "config.load.validate_config (names removed keys)")
+    assert isinstance(table, dict)
+
+
+def test_torch_lr_scheduler_step_marks() -> None:
+    import torch
+
+    source = inspect.getsource(torch.optim.lr_scheduler)
+    for mark in ("_wrapped_by_lr_sched", "_opt_called"):
+        assert mark in source, (
+            f"{TORCH} no longer marks the wrapped optimizer step with {mark}; engine.train.to_cpu_adam copies the"
+            " marks (_compat.mark_step_wrapped_for_lr_scheduler) so a re-pointed scheduler does not warn"
+        )
