@@ -1,6 +1,7 @@
 """Real 2-rank training (gloo, the real DeepSpeed engine) from DeepSpeed JSON configs: every shipped example, a
 config whose values all come from "auto", Lightning's default config, and a contradicting config that must stop
-before training. The job is tests/jobs/config_job.py (data from a LightningDataModule)."""
+before training. The job is tests/jobs/train_job.py with the arguments in ``CONFIG_JOB`` (a width-64 model whose
+optimizer hyperparameters are what "auto" resolves from)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,15 @@ from tests.procs import JOBS, REPO, JobResult, run_job
 pytestmark = pytest.mark.multiprocess
 
 EXAMPLES = REPO / "examples" / "configs"
+# hidden 64: the largest 2-D parameter is 64 x 64, so reduce_bucket_size "auto" = 4096
+CONFIG_JOB = ["--width", "64", "--precision", "bf16-mixed", "--optimizer", "adamw", "--lr", "0.01", "--betas", "0.9",
+              "0.99", "--eps", "1e-7", "--weight-decay", "0.01", "--warmup-steps", "2", "--max-steps", "3",
+              "--batch-size", "8", "--no-eval"]
 BUCKETS = {"reduce_bucket_size": 4096, "stage3_prefetch_bucket_size": 3686, "stage3_param_persistence_threshold": 640}
 
 
 def run_config_job(out: Path, *args: str, env: Optional[dict[str, str]] = None, timeout: float = 420) -> JobResult:
-    return run_job([sys.executable, str(JOBS / "config_job.py"), "--out", str(out), *args], timeout, env)
+    return run_job([sys.executable, str(JOBS / "train_job.py"), "--out", str(out), *CONFIG_JOB, *args], timeout, env)
 
 
 def ranks_of(out: Path, result: JobResult) -> list[dict[str, Any]]:

@@ -1,5 +1,6 @@
 """Unit tests of the launcher: hostfile parsing, the commands each launcher gets, ports, the CLI, and how the
-strategy recognises externally launched processes. No process is started here."""
+strategy recognises externally launched processes. Only the runner and shim tests at the end start processes
+(tiny stdlib-only scripts); they are marked ``multiprocess``."""
 
 from __future__ import annotations
 
@@ -361,6 +362,7 @@ def script(tmp_path: Path, name: str, body: str) -> Path:
     return path
 
 
+@pytest.mark.multiprocess
 def test_shim_records_exit_and_output(tmp_path: Path) -> None:
     import json
     import subprocess
@@ -385,6 +387,7 @@ def test_shim_runs_scripts_through_mpi4py_under_mpirun(monkeypatch: pytest.Monke
     assert _rank.python_command(["t.py", "--a"]) == [sys.executable, "-u", "-m", "mpi4py", "t.py", "--a"]
 
 
+@pytest.mark.multiprocess
 def test_runner_returns_first_failure_and_prints_its_tail(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     ok = script(tmp_path, "ok.py", "print('ok ran')\n")
     bad = script(tmp_path, "bad.py", "for i in range(30): print('line', i)\nsys.exit(3)\n")
@@ -397,6 +400,7 @@ def test_runner_returns_first_failure_and_prints_its_tail(tmp_path: Path, capsys
     assert "last 5 lines of rank 0" in err and "  | line 29" in err and "  | line 24" not in err
 
 
+@pytest.mark.multiprocess
 def test_runner_stops_processes_that_outlive_the_job(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """A process that left the job's session (as torchrun's workers do) is still found, by the job's token."""
     import psutil
@@ -411,6 +415,7 @@ def test_runner_stops_processes_that_outlive_the_job(tmp_path: Path, capsys: pyt
     assert f"outlived the launcher and were stopped: [{pid}]" in capsys.readouterr().err
 
 
+@pytest.mark.multiprocess
 def test_a_reused_log_dir_does_not_mix_runs(tmp_path: Path) -> None:
     bad = script(tmp_path, "bad.py", "print('bad'); sys.exit(4)\n")
     good = script(tmp_path, "good.py", "print('good')\n")
@@ -420,6 +425,7 @@ def test_a_reused_log_dir_does_not_mix_runs(tmp_path: Path) -> None:
     assert sorted(p.read_text() for p in logs.glob("*/rank0.log")) == ["bad\n", "good\n"]
 
 
+@pytest.mark.multiprocess
 def test_cli_spawn_runs_a_module(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from lightning_gaudi_ds.cli import main
 
@@ -430,6 +436,7 @@ def test_cli_spawn_runs_a_module(tmp_path: Path, capsys: pytest.CaptureFixture) 
     assert "rank 0 failed" in capsys.readouterr().err
 
 
+@pytest.mark.multiprocess
 def test_killing_the_runner_leaves_no_rank_behind(tmp_path: Path) -> None:
     """SIGKILL to the runner: its launcher gets SIGTERM (PDEATHSIG), the shim passes it on, then SIGKILLs the
     script that ignores it. Every process of the job must be gone a few seconds later."""

@@ -193,7 +193,9 @@ def test_rank_failure_stops_every_rank(tmp_path: Path, case: str) -> None:
     stopped_after = time.monotonic() - failed_at
     print(f"\n{case}: every process gone {stopped_after:.1f} s after the rank died; {stop_line(result)}")
     assert stopped_after < BOUND_S, result.output[-4000:]
-    assert result.returncode == (code if code is not None else result.returncode) and result.returncode != 0
+    assert result.returncode != 0, result.output[-4000:]
+    if code is not None:
+        assert result.returncode == code, result.output[-4000:]
     assert f"lightning-gaudi-ds: rank {named_rank} failed:" in result.output, result.output[-4000:]
     assert "lines of rank" in result.output  # its last output is shown
     if kill_by_env is None:

@@ -90,6 +90,7 @@ def test_lock_without_owner_is_stale_and_cleared(ext_dir: Path) -> None:
     assert not lock.exists()
 
 
+@pytest.mark.multiprocess
 def test_lock_of_a_killed_owner_is_stale(ext_dir: Path) -> None:
     lock = ext_dir / ops.SHM_COMM / "lock"
     lock.parent.mkdir()
@@ -105,6 +106,7 @@ def test_lock_of_a_killed_owner_is_stale(ext_dir: Path) -> None:
     assert not lock.exists()
 
 
+@pytest.mark.multiprocess
 def test_live_lock_is_never_removed(ext_dir: Path) -> None:
     lock = ext_dir / ops.SHM_COMM / "lock"
     lock.parent.mkdir()
@@ -117,6 +119,7 @@ def test_live_lock_is_never_removed(ext_dir: Path) -> None:
     assert not lock.exists()
 
 
+@pytest.mark.multiprocess
 def test_orphaned_compile_in_build_dir_keeps_lock_live(ext_dir: Path) -> None:
     """The building Python was killed but its ninja/c++ still runs in the build dir: do not clear yet."""
     lock = _plant(ext_dir)
@@ -214,6 +217,7 @@ def _load_in_thread(builder: _FakeBuilder, said: list[str]) -> tuple[threading.T
     return thread, out
 
 
+@pytest.mark.multiprocess
 def test_waiter_recovers_when_the_builder_dies_mid_build(ext_dir: Path) -> None:
     lock = ext_dir / ops.SHM_COMM / "lock"
     lock.parent.mkdir()
@@ -230,6 +234,7 @@ def test_waiter_recovers_when_the_builder_dies_mid_build(ext_dir: Path) -> None:
     assert any("died" in s for s in said), said
 
 
+@pytest.mark.multiprocess
 def test_waiter_waits_for_a_live_build_and_reports_it(ext_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ops._LockWatch, "__init__", _fast_report_init)
     lock = ext_dir / ops.SHM_COMM / "lock"

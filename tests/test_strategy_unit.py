@@ -28,6 +28,7 @@ NAMES = {
 }
 
 
+@pytest.mark.multiprocess
 def test_import_needs_no_gaudi_stack_and_exports_public_api():
     code = (
         "import sys, lightning_gaudi_ds as m; "
@@ -94,11 +95,21 @@ def test_fp16_on_cpu_is_refused_at_trainer_construction(precision):
         L.Trainer(accelerator="cpu", devices=2, precision=precision, strategy=HPUDeepSpeedStrategy(), logger=False)
 
 
-def test_precision_table():
-    for precision in ("32-true", "bf16-mixed", "bf16-true"):
-        validate_precision(precision, "cpu")
-    validate_precision("16-mixed", "cuda")
-    validate_precision("16-mixed", "hpu")
+PRECISIONS = {  # what each device supports: fp16 has no fast path on CPU
+    "cpu": {"32-true", "bf16-mixed", "bf16-true"},
+    "cuda": {"32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"},
+    "hpu": {"32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"},
+}
+
+
+@pytest.mark.parametrize("device", sorted(PRECISIONS))
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"])
+def test_precision_table(device, precision):
+    if precision in PRECISIONS[device]:
+        validate_precision(precision, device)  # accepted: no error
+    else:
+        with pytest.raises(ValueError, match=rf"precision='{precision}'.*not supported.*on '{device}'"):
+            validate_precision(precision, device)
 
 
 def test_hpu_accelerator_without_gaudi_says_what_is_missing():

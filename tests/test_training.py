@@ -39,7 +39,8 @@ def assert_partitioned(rank: dict, stage: int) -> None:
         assert probe["optimizer_numel"] == psi
         return
     # stages >= 1: each rank's optimizer (fp32 master partition and momentum) covers 1/N of the parameters
-    assert probe["optimizer_numel"] == pytest.approx(psi / WORLD, rel=0.01) or stage == 3
+    if stage < 3:  # ZeRO-3 hands its optimizer the fp32 partition only during the step: checked after it
+        assert probe["optimizer_numel"] == pytest.approx(psi / WORLD, rel=0.01)
     assert probe["optimizer_state_numel_after_step"] == pytest.approx(psi / WORLD, rel=0.01)
     # gradients end reduced into this rank's partition; no full-size gradient is kept
     assert probe["partition_grad_numel"] == pytest.approx(psi / WORLD, rel=0.01)

@@ -16,11 +16,9 @@ checkpoint callback's paths.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -28,23 +26,21 @@ from typing import Any
 
 import lightning as L
 import torch
+from common import RegressionModel, job_parser, make_data, write_result
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_job import RegressionModel, make_data  # noqa: E402
-
-import lightning_gaudi_ds  # noqa: F401,E402  (registers the strategy names)
-from lightning_gaudi_ds import HPUDeepSpeedStrategy  # noqa: E402
+from lightning_gaudi_ds import HPUDeepSpeedStrategy
 
 BATCH = 16
 
 
 class CkptModel(RegressionModel):
-    """AdamW with a per-step ExponentialLR: resumes only match if optimizer *and* scheduler state come back."""
+    """The jobs' model with AdamW and a per-step ExponentialLR, recording every global step's loss, learning
+    rate and epoch, and logging ``train_loss`` for ``ModelCheckpoint(monitor=...)``."""
 
-    def __init__(self, lr: float = 0.01) -> None:
-        super().__init__(lr=lr, optimizer="adamw")
+    def __init__(self) -> None:
+        super().__init__(optimizer="adamw_exp", lr=0.01)
         self.records: dict[int, dict[str, Any]] = {}
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -54,11 +50,6 @@ class CkptModel(RegressionModel):
                                                       "epoch": self.trainer.current_epoch}
         self.log("train_loss", loss, sync_dist=True)
         return loss
-
-    def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
-        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.8)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
 def probe_input() -> torch.Tensor:
@@ -171,20 +162,14 @@ def fit(spec: dict[str, Any], devices: int, pg_timeout: float) -> dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True, help="results folder: rank<N>.json")
-    parser.add_argument("--devices", type=int, default=2)
+    parser = job_parser(__doc__)
     parser.add_argument("--plan", required=True, help="JSON list of fit specs (see DEFAULTS), run in order")
     parser.add_argument("--pg-timeout", type=float, default=60, help="process-group timeout, seconds")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
     results = {spec["name"]: fit(spec, args.devices, args.pg_timeout) for spec in json.loads(args.plan)}
-    rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
-    print(f"rank {rank} done pid={os.getpid()}", flush=True)
+    write_result(args.out, int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))), results)
 
 
 if __name__ == "__main__":
