@@ -5,6 +5,8 @@ Lightning, so ``Trainer(strategy="hpu_deepspeed_stage_3", accelerator="hpu")`` r
 overrides earlier entries of the same name, so importing (or reloading) twice is harmless.
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import StrategyRegistry
 
@@ -35,7 +37,10 @@ __all__ = [
     "convert_zero_checkpoint_to_fp32_state_dict",
     "plan_memory",
 ]
-__version__ = "0.1.0"
+try:
+    __version__ = version("lightning_gaudi_ds")
+except PackageNotFoundError:  # a source tree on sys.path that was never installed
+    __version__ = "0+unknown"
 
 HPUDeepSpeedStrategy.register_strategies(StrategyRegistry)
 HPUAccelerator.register_accelerators(AcceleratorRegistry)
