@@ -31,6 +31,7 @@ __all__ = [
     "deepspeed_removed_config_keys",
     "mark_step_wrapped_for_lr_scheduler",
     "remove_module_hooks",
+    "set_deepspeed_accelerator",
     "train_dataloaders",
 ]
 
@@ -98,6 +99,24 @@ def deepspeed_accelerator_name() -> str:
     from deepspeed.accelerator import get_accelerator
 
     return str(get_accelerator()._name)
+
+
+def set_deepspeed_accelerator(name: str) -> Optional[str]:
+    """Make DeepSpeed's global accelerator ``name`` (``"cpu"``, ``"cuda"``, ``"hpu"``); return the name it had, or
+    None when it was already ``name``. DeepSpeed's accelerator classes live in its private-by-convention modules."""
+    import deepspeed.accelerator as ds_acc
+
+    previous = deepspeed_accelerator_name()
+    if previous == name:
+        return None
+    if name == "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator as Accelerator
+    elif name == "cuda":
+        from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator as Accelerator
+    else:
+        from deepspeed.accelerator.hpu_accelerator import HPU_Accelerator as Accelerator
+    ds_acc.set_accelerator(Accelerator())
+    return previous
 
 
 def deepspeed_removed_config_keys() -> tuple[Mapping[str, str], Mapping[str, str]]:

@@ -13,11 +13,9 @@ also adds about a second to ``import lightning_gaudi_ds``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import warnings
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
@@ -41,17 +39,18 @@ from lightning_gaudi_ds._compat import (
     _init_optimizers_and_lr_schedulers,
     _StrategyRegistry,
     attached_trainer,
-    deepspeed_accelerator_name,
     remove_module_hooks,
+    set_deepspeed_accelerator,
     train_dataloaders,
 )
 from lightning_gaudi_ds.config import (
-    CONFIG_FILENAME,
     AutoContext,
     ConfigResolver,
     Resolved,
     explicit_arguments,
     hidden_size,
+    shared_batch_size,
+    write_resolved,
 )
 from lightning_gaudi_ds.devices import DeviceSpec, device_spec, hpu_available, validate_precision
 from lightning_gaudi_ds.engine import train
@@ -187,22 +186,12 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     def _select_deepspeed_accelerator(self, spec: DeviceSpec) -> None:
         """Make DeepSpeed's global accelerator match the Trainer's device (DS_ACCELERATOR may differ)."""
-        import deepspeed.accelerator as ds_acc
-
-        current = deepspeed_accelerator_name()
-        if current == spec.deepspeed_accelerator:
-            return
         deterministic_before = torch.are_deterministic_algorithms_enabled()
-        if spec.deepspeed_accelerator == "cpu":
-            from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator as Cls
-        elif spec.deepspeed_accelerator == "cuda":
-            from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator as Cls
-        else:
-            from deepspeed.accelerator.hpu_accelerator import HPU_Accelerator as Cls
-        rank_zero_info(f"DeepSpeed accelerator: {spec.deepspeed_accelerator} (was {current})")
-        ds_acc.set_accelerator(Cls())
-        if spec.device_type == "hpu":
-            hpu.warn_if_deterministic_forced(deterministic_before)
+        previous = set_deepspeed_accelerator(spec.deepspeed_accelerator)
+        if previous is not None:
+            rank_zero_info(f"DeepSpeed accelerator: {spec.deepspeed_accelerator} (was {previous})")
+            if spec.device_type == "hpu":
+                hpu.warn_if_deterministic_forced(deterministic_before)
 
     def _validate_trainer_flags(self) -> None:
         """Trainer settings DeepSpeed cannot honour, reported before the process group starts."""
@@ -404,7 +393,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         self.config = self._resolver.resolve(config, AutoContext(
             world_size=self.world_size,
             accumulate_grad_batches=trainer.accumulate_grad_batches if trainer is not None else 1,
-            micro_batch_size=self._train_loader_batch_size(trainer) if fitting else None,
+            micro_batch_size=shared_batch_size(train_dataloaders(trainer)) if fitting else None,
             gradient_clip_val=trainer.gradient_clip_val if trainer is not None else None,
             precision=self.precision_plugin.precision,
             hparams=dict(getattr(module, "hparams", None) or {}),
@@ -423,31 +412,15 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         if pending is not None:
             self._publish_config(*pending, trainer)
 
-    @staticmethod
-    def _train_loader_batch_size(trainer: pl.Trainer) -> Optional[int]:
-        """The batch size every train DataLoader shares, or None."""
-        loaders = train_dataloaders(trainer)
-        if loaders is None:
-            return None
-        sizes = set()
-        for loader in loaders:
-            size = getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
-            sizes.add(size if isinstance(size, int) else None)
-        return sizes.pop() if len(sizes) == 1 else None
-
     def _publish_config(self, resolved: Resolved, hints: list[str], trainer: pl.Trainer) -> None:
         """Log the resolved config once (rank 0) and write it next to the run's logs, to reproduce the run."""
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank calls it
-        if not self.is_global_zero:
-            return
-        text = json.dumps(resolved.config, indent=2, default=repr)
-        path = Path(log_dir) / CONFIG_FILENAME
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text + "\n")
-        filled = "".join(f"\n  {line}" for line in resolved.filled)
-        rank_zero_info(f"DeepSpeed config resolved (written to {path}); filled:{filled or ' nothing'}\n{text}")
-        for hint in hints:
-            rank_zero_info(hint)
+        if self.is_global_zero:
+            path = write_resolved(resolved, log_dir)
+            filled = "".join(f"\n  {line}" for line in resolved.filled) or " nothing"
+            rank_zero_info(f"DeepSpeed config resolved (written to {path}); filled:{filled}\n{path.read_text().rstrip()}")
+            for hint in hints:
+                rank_zero_info(hint)
 
     # ------------------------------------------------ external launchers (torchrun, deepspeed, mpirun)
     @override

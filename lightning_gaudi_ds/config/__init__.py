@@ -25,8 +25,15 @@ from lightning_gaudi_ds.config.resolve import (
     explicit_arguments,
     resolve_config,
     strategy_arg_values,
+    write_resolved,
 )
-from lightning_gaudi_ds.config.sizing import bucket_hints, bucket_sizes, hidden_size, mark_model_buckets
+from lightning_gaudi_ds.config.sizing import (
+    bucket_hints,
+    bucket_sizes,
+    hidden_size,
+    mark_model_buckets,
+    shared_batch_size,
+)
 
 __all__ = [
     "AUTO",
@@ -52,6 +59,8 @@ __all__ = [
     "mark_model_buckets",
     "offloads_optimizer",
     "resolve_config",
+    "shared_batch_size",
     "strategy_arg_values",
     "validate_config",
+    "write_resolved",
 ]

@@ -50,14 +50,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
 
 from lightning_gaudi_ds.config.keys import (
     AUTO,
     AUTO_KEYS,
     BUCKET_KEYS,
+    CONFIG_FILENAME,
     MISSING,
     STRATEGY_ARG_KEYS,
     TRAINER_KEYS,
@@ -357,6 +360,14 @@ class ConfigResolver:
         """The last fit's resolved config and bucket hints, once."""
         pending, self._unpublished = self._unpublished, None
         return pending
+
+
+def write_resolved(resolved: Resolved, directory: Union[str, Path]) -> Path:
+    """Write the resolved config as ``<directory>/deepspeed_config.json`` (to reproduce the run); return the path."""
+    path = Path(directory) / CONFIG_FILENAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(resolved.config, indent=2, default=repr) + "\n")
+    return path
 
 
 def explicit_arguments(cls: type, arguments: Mapping[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,7 @@ for a small model that is memory spent on nothing, so the default config sizes t
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 from lightning_gaudi_ds.config.keys import AUTO, BUCKET_KEYS, ZERO
 
@@ -77,3 +77,12 @@ def mark_model_buckets(config: Mapping[str, Any], explicit_args: Mapping[str, An
             continue  # not used by ZeRO-3
         zero[name] = AUTO
     return cfg
+
+
+def shared_batch_size(loaders: Optional[Iterable[Any]]) -> Optional[int]:
+    """The batch size every DataLoader in ``loaders`` shares (read from it or its batch sampler), else None."""
+    sizes = set()
+    for loader in loaders or ():
+        size = getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+        sizes.add(size if isinstance(size, int) else None)
+    return sizes.pop() if len(sizes) == 1 else None
