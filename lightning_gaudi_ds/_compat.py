@@ -7,7 +7,8 @@ elsewhere imports these names from here, never the private path itself.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.strategies.deepspeed import _format_precision_config
@@ -77,12 +78,12 @@ def _source_digest(function: Any) -> str:
     return hashlib.sha256(code.encode()).hexdigest()[:16]
 
 
-def attached_trainer(module: Optional[Any]) -> Optional["pl.Trainer"]:
+def attached_trainer(module: Any | None) -> pl.Trainer | None:
     """The Trainer a LightningModule is attached to, or None (``LightningModule.trainer`` raises when detached)."""
     return getattr(module, "_trainer", None)
 
 
-def train_dataloaders(trainer: "pl.Trainer") -> Optional[list[Any]]:
+def train_dataloaders(trainer: pl.Trainer) -> list[Any] | None:
     """The train DataLoaders of a fit, built as ``Trainer.estimated_stepping_batches`` builds them (after
     ``LightningDataModule.setup``); the fit loop reuses them. None when there is no train loader."""
     loop = trainer.fit_loop
@@ -101,7 +102,7 @@ def deepspeed_accelerator_name() -> str:
     return str(get_accelerator()._name)
 
 
-def set_deepspeed_accelerator(name: str) -> Optional[str]:
+def set_deepspeed_accelerator(name: str) -> str | None:
     """Make DeepSpeed's global accelerator ``name`` (``"cpu"``, ``"cuda"``, ``"hpu"``); return the name it had, or
     None when it was already ``name``. DeepSpeed's accelerator classes live in its private-by-convention modules."""
     import deepspeed.accelerator as ds_acc

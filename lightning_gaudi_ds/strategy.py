@@ -16,7 +16,8 @@ import argparse
 import logging
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -100,13 +101,13 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         self,
         stage: int = 2,
         *,
-        accelerator: Optional[pl.accelerators.Accelerator] = None,
-        config: Optional[Union[_PATH, dict[str, Any]]] = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        config: _PATH | dict[str, Any] | None = None,
         offload_optimizer: bool = False,
         offload_parameters: bool = False,
-        remote_device: Optional[str] = None,
+        remote_device: str | None = None,
         nvme_path: str = "/local_nvme",
-        process_group_backend: Optional[str] = None,
+        process_group_backend: str | None = None,
         logging_level: int = logging.WARN,
         **kwargs: Any,
     ) -> None:
@@ -128,7 +129,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         # Created before Lightning's __init__, which loads the config through _load_config.
         self._resolver = ConfigResolver(explicit_arguments(type(self), arguments))
         super().__init__(**arguments)
-        self._mark_step: Optional[Callable[[], None]] = None
+        self._mark_step: Callable[[], None] | None = None
         self._owns_local_size = False
 
     # ----------------------------------------------------------------------------------------- set-up
@@ -141,6 +142,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     def _configure_launcher(self) -> None:
         # Called by the Trainer's constructor once accelerator and precision are known: the earliest point
         # at which a device/precision mismatch can be reported, before any process is started.
+        assert self.parallel_devices is not None
         validate_precision(self.precision_plugin.precision, self.parallel_devices[0])
         if self.parallel_devices[0].type == "cpu" and hpu_available():
             rank_zero_warn(
@@ -220,9 +222,9 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     def _setup_model_and_optimizer(
         self,
         model: Module,
-        optimizer: Optional[Optimizer],
-        lr_scheduler: Optional[Any] = None,
-    ) -> tuple["deepspeed.DeepSpeedEngine", Optimizer]:
+        optimizer: Optimizer | None,
+        lr_scheduler: Any | None = None,
+    ) -> tuple[deepspeed.DeepSpeedEngine, Optimizer]:
         import deepspeed
 
         engine, ds_optimizer, _, _ = deepspeed.initialize(
@@ -281,7 +283,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             self.lr_scheduler_configs = [scheduler_config]
         self.model = engine
 
-    def _client_optimizer_and_scheduler(self) -> tuple[Optional[Optimizer], Optional[LRSchedulerConfig]]:
+    def _client_optimizer_and_scheduler(self) -> tuple[Optimizer | None, LRSchedulerConfig | None]:
         assert isinstance(self.config, dict)
         with warnings.catch_warnings():  # None: the config's optimizer is used, or optimizer_sources says what to do
             warnings.filterwarnings("ignore", message=".*configure_optimizers` returned `None`")
@@ -289,7 +291,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         return train.optimizer_sources(self.config, optimizer, scheduler_config)
 
     @override
-    def _init_optimizers(self) -> tuple[Optimizer, Optional[LRSchedulerConfig]]:
+    def _init_optimizers(self) -> tuple[Optimizer, LRSchedulerConfig | None]:
         assert self.lightning_module is not None
         optimizer, scheduler_config = train.single_optimizer(*_init_optimizers_and_lr_schedulers(self.lightning_module))
         if hpu.is_fused_adam(optimizer):
@@ -302,7 +304,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     # ------------------------------------------------------------------- HPU lazy-mode graph breaks
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         self._graph_break()
         return loss
@@ -336,7 +338,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             self._mark_step()
 
     @override
-    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         # HCCL reduces with sum/min/max only: do "mean" as sum / (ranks in the group) there.
         if self._get_process_group_backend() == "hccl" and isinstance(tensor, Tensor) and _is_mean(reduce_op):
             size = torch.distributed.get_world_size(group) if group is not None else self.world_size
@@ -355,7 +357,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     # -> _format_config. The strategy only gathers the facts (train loader batch size, Trainer flags, module
     # hparams, model hidden size); self._resolver (config.ConfigResolver) holds the config's state.
     @override
-    def _load_config(self, config: Optional[Union[_PATH, dict[str, Any]]]) -> Optional[dict[str, Any]]:
+    def _load_config(self, config: _PATH | dict[str, Any] | None) -> dict[str, Any] | None:
         loaded = self._resolver.load(config)
         if loaded is not None:
             rank_zero_info(f"DeepSpeed config: {self._resolver.source}")
@@ -379,7 +381,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         assert isinstance(self.config, dict)
         module = self.lightning_module
         trainer = attached_trainer(module)
-        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        fit = trainer if trainer is not None and trainer.state.fn == TrainerFn.FITTING else None
         hidden = hidden_size(module) if module is not None else None
         config = self._resolver.start(self.config, hidden)
         _format_precision_config(  # Lightning's fp16 block (loss-scale arguments) where the config has none
@@ -387,19 +389,19 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             self.initial_scale_power, self.hysteresis,
         )
         total = None
-        if fitting and "scheduler" in config:
-            steps = trainer.estimated_stepping_batches
+        if fit is not None and "scheduler" in config:
+            steps = fit.estimated_stepping_batches
             total = int(steps) if steps != float("inf") else None
         self.config = self._resolver.resolve(config, AutoContext(
             world_size=self.world_size,
             accumulate_grad_batches=trainer.accumulate_grad_batches if trainer is not None else 1,
-            micro_batch_size=shared_batch_size(train_dataloaders(trainer)) if fitting else None,
+            micro_batch_size=shared_batch_size(train_dataloaders(fit)) if fit is not None else None,
             gradient_clip_val=trainer.gradient_clip_val if trainer is not None else None,
             precision=self.precision_plugin.precision,
             hparams=dict(getattr(module, "hparams", None) or {}),
             total_steps=total,
             hidden_size=hidden,
-            fitting=fitting,
+            fitting=fit is not None,
         ))
 
     @override
@@ -409,7 +411,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         # that the directory "exists and is not empty".
         trainer = attached_trainer(self.lightning_module)
         pending = self._resolver.take_unpublished() if trainer is not None else None
-        if pending is not None:
+        if trainer is not None and pending is not None:
             self._publish_config(*pending, trainer)
 
     def _publish_config(self, resolved: Resolved, hints: list[str], trainer: pl.Trainer) -> None:
@@ -418,7 +420,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         if self.is_global_zero:
             path = write_resolved(resolved, log_dir)
             filled = "".join(f"\n  {line}" for line in resolved.filled) or " nothing"
-            rank_zero_info(f"DeepSpeed config resolved (written to {path}); filled:{filled}\n{path.read_text().rstrip()}")
+            text = path.read_text().rstrip()
+            rank_zero_info(f"DeepSpeed config resolved (written to {path}); filled:{filled}\n{text}")
             for hint in hints:
                 rank_zero_info(hint)
 
@@ -444,7 +447,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         return int((self.config.get("zero_optimization") or {}).get("stage", 0))
 
     @override
-    def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:  # Lightning's own error
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         final = self.broadcast(str(filepath))
@@ -457,7 +460,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             staging, final, self.zero_stage, self.world_size, weights_only))
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         if self.load_full_weights and self.zero_stage_3:
             return super().load_checkpoint(checkpoint_path, weights_only)
         info = ckpt.validate_checkpoint(checkpoint_path, zero_stage=self.zero_stage)

@@ -34,7 +34,8 @@ def _attr(module: str, name: str, library: str, used_by: str) -> Any:
          "HPUDeepSpeedStrategy._format_config (Lightning's fp16 block)"),
         ("lightning.pytorch.core.optimizer", "_MockOptimizer",
          "engine.train.optimizer_sources (configure_optimizers returned None)"),
-        ("lightning.pytorch.core.optimizer", "_init_optimizers_and_lr_schedulers", "HPUDeepSpeedStrategy._init_optimizers"),
+        ("lightning.pytorch.core.optimizer", "_init_optimizers_and_lr_schedulers",
+         "HPUDeepSpeedStrategy._init_optimizers"),
         ("lightning.pytorch.strategies.deepspeed", "remove_module_hooks",
          "HPUDeepSpeedStrategy._initialize_deepspeed_inference"),
     ],
@@ -63,7 +64,8 @@ def test_overridden_deepspeed_strategy_hooks_exist() -> None:
 
     from lightning_gaudi_ds._compat import OVERRIDDEN_DEEPSPEED_STRATEGY_HOOKS
 
-    missing = [name for name in OVERRIDDEN_DEEPSPEED_STRATEGY_HOOKS if not callable(getattr(DeepSpeedStrategy, name, None))]
+    hooks = OVERRIDDEN_DEEPSPEED_STRATEGY_HOOKS
+    missing = [name for name in hooks if not callable(getattr(DeepSpeedStrategy, name, None))]
     assert not missing, (
         f"{LIGHTNING} removed DeepSpeedStrategy.{', '.join(missing)}, overridden or called by HPUDeepSpeedStrategy:"
         " the override is no longer called"
@@ -84,7 +86,11 @@ def test_deepspeed_strategy_attributes_exist() -> None:
 def test_copied_lightning_methods_unchanged(name: str) -> None:
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    from lightning_gaudi_ds._compat import COPIED_DEEPSPEED_STRATEGY_METHODS, COPIED_FROM_LIGHTNING_VERSION, _source_digest
+    from lightning_gaudi_ds._compat import (
+        COPIED_DEEPSPEED_STRATEGY_METHODS,
+        COPIED_FROM_LIGHTNING_VERSION,
+        _source_digest,
+    )
 
     digest = _source_digest(getattr(DeepSpeedStrategy, name))
     assert digest == COPIED_DEEPSPEED_STRATEGY_METHODS[name], (
@@ -140,7 +146,7 @@ def test_deepspeed_accelerator_name() -> None:
     try:
         name = deepspeed_accelerator_name()
     except AttributeError:
-        pytest.fail(f"{DEEPSPEED} removed the accelerator's _name, read by HPUDeepSpeedStrategy._select_deepspeed_accelerator")
+        pytest.fail(f"{DEEPSPEED} removed the accelerator's _name, read by _compat.set_deepspeed_accelerator")
     assert name in ("cpu", "cuda", "hpu", "xpu", "npu", "mps", "mlu")
 
 

@@ -17,7 +17,15 @@ from lightning_gaudi_ds.config.keys import (
     ZERO,
     offloads_optimizer,
 )
-from lightning_gaudi_ds.config.load import ENV_VAR, INLINE_KEYS, ConfigError, iter_auto, known_keys, load_config, validate_config
+from lightning_gaudi_ds.config.load import (
+    ENV_VAR,
+    INLINE_KEYS,
+    ConfigError,
+    iter_auto,
+    known_keys,
+    load_config,
+    validate_config,
+)
 from lightning_gaudi_ds.config.resolve import (
     AutoContext,
     ConfigResolver,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 AUTO = "auto"
 CONFIG_FILENAME = "deepspeed_config.json"
@@ -108,7 +109,7 @@ def leaves(config: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
 def same(a: Any, b: Any) -> bool:
     """Config-value equality: numbers within rounding, bools never equal to ints, lists like tuples."""
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, bool) or isinstance(b, bool):
         return a is b or a == b and type(a) is type(b)
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):

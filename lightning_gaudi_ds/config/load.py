@@ -12,8 +12,9 @@ import importlib
 import json
 import os
 import re
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Union
+from typing import Any
 
 from lightning_gaudi_ds._compat import deepspeed_removed_config_keys
 from lightning_gaudi_ds.config.keys import AUTO, AUTO_KEYS, ZERO, get, report
@@ -47,8 +48,8 @@ class ConfigError(ValueError):
 
 # ----------------------------------------------------------------------------------------------- load
 def load_config(
-    config: Union[str, Path, Mapping[str, Any], None], environ: Mapping[str, str] = os.environ
-) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    config: str | Path | Mapping[str, Any] | None, environ: Mapping[str, str] = os.environ
+) -> tuple[dict[str, Any] | None, str | None]:
     """Return ``(a deep copy of the config, where it came from)``; ``(None, None)`` when there is none.
 
     ``config`` is a JSON path or a dict; when it is None, the path in ``$PL_DEEPSPEED_CONFIG_PATH`` is read.
@@ -62,7 +63,8 @@ def load_config(
         return copy.deepcopy(dict(config)), "dict"
     if not isinstance(config, (str, Path)):
         raise ConfigError(
-            f"HPUDeepSpeedStrategy(config={config!r}): expected a JSON file path or a dict, got {type(config).__name__}."
+            f"HPUDeepSpeedStrategy(config={config!r}): expected a JSON file path or a dict,"
+            f" got {type(config).__name__}."
         )
     path = Path(config).expanduser()
     source = source or str(path)
@@ -99,7 +101,7 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------- validate
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def known_keys() -> tuple[frozenset[str], frozenset[str]]:
     """``(top-level keys, zero_optimization keys)`` DeepSpeed knows, read from DeepSpeed itself.
 
@@ -165,7 +167,8 @@ def validate_config(config: Mapping[str, Any], source: str = "dict") -> None:
         if key not in AUTO_KEYS:
             problems.append(f'{key}: "auto" is not accepted here (DeepSpeed would receive the string); set a value.')
     if problems:
-        note = f'Keys that may be "auto": {", ".join(AUTO_KEYS)}.' if any('"auto" is not' in p for p in problems) else ""
+        misplaced_auto = any('"auto" is not' in p for p in problems)
+        note = f'Keys that may be "auto": {", ".join(AUTO_KEYS)}.' if misplaced_auto else ""
         raise ConfigError(report(f"DeepSpeed config ({source}) is invalid", problems, note))
 
 

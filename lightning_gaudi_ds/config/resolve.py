@@ -52,9 +52,10 @@ import dataclasses
 import inspect
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any
 
 from lightning_gaudi_ds.config.keys import (
     AUTO,
@@ -84,12 +85,12 @@ class AutoContext:
 
     world_size: int = 1
     accumulate_grad_batches: int = 1
-    micro_batch_size: Optional[int] = None  # the train DataLoader's batch_size
-    gradient_clip_val: Optional[float] = None  # None: Trainer left it unset
+    micro_batch_size: int | None = None  # the train DataLoader's batch_size
+    gradient_clip_val: float | None = None  # None: Trainer left it unset
     precision: str = "32-true"
     hparams: Mapping[str, Any] = field(default_factory=dict)  # LightningModule.hparams
-    total_steps: Optional[int] = None  # Trainer.estimated_stepping_batches
-    hidden_size: Optional[int] = None  # see hidden_size()
+    total_steps: int | None = None  # Trainer.estimated_stepping_batches
+    hidden_size: int | None = None  # see hidden_size()
     strategy_args: Mapping[str, Any] = field(default_factory=dict)  # arguments the user passed explicitly
     fitting: bool = True  # False (validate/test/predict): sourceless micro batch is 1, optimizer autos stay
 
@@ -221,7 +222,7 @@ def _optimizer_and_scheduler(r: _Resolution, ctx: AutoContext) -> None:
     if warmup is None and "warmup_ratio" in hp and ctx.total_steps is not None:
         ratio = hp["warmup_ratio"][0]
         warmup = (math.ceil(ratio * ctx.total_steps), f"hparam warmup_ratio={ratio} x {ctx.total_steps} steps")
-    sources: tuple[tuple[str, Optional[tuple[Any, str]], str], ...] = (
+    sources: tuple[tuple[str, tuple[Any, str] | None, str], ...] = (
         ("optimizer.params.lr", hp.get("lr"), _HPARAM_HINT["lr"]),
         ("optimizer.params.betas", hp.get("betas"), _HPARAM_HINT["betas"]),
         ("optimizer.params.eps", hp.get("eps"), _HPARAM_HINT["eps"]),
@@ -324,19 +325,19 @@ class ConfigResolver:
 
     def __init__(self, explicit_args: Mapping[str, Any]) -> None:
         self.explicit_args = dict(explicit_args)
-        self.source: Optional[str] = None  # None: no user config; Lightning's default, built from the arguments
+        self.source: str | None = None  # None: no user config; Lightning's default, built from the arguments
         self.resolved_for: Any = None  # the facts (Trainer, stage, model built) of the last resolution
-        self._base: Optional[dict[str, Any]] = None
-        self._unpublished: Optional[tuple[Resolved, list[str]]] = None
+        self._base: dict[str, Any] | None = None
+        self._unpublished: tuple[Resolved, list[str]] | None = None
 
-    def load(self, config: Any) -> Optional[dict[str, Any]]:
+    def load(self, config: Any) -> dict[str, Any] | None:
         """Load and validate the user's config (see :func:`load_config`); None when there is none."""
         loaded, self.source = load_config(config)
         if loaded is not None:
             validate_config(loaded, self.source or "dict")
         return loaded
 
-    def start(self, current: Mapping[str, Any], hidden: Optional[int]) -> dict[str, Any]:
+    def start(self, current: Mapping[str, Any], hidden: int | None) -> dict[str, Any]:
         """A fresh copy of the unresolved config. For Lightning's default config (no user config) the bucket
         sizes become ``"auto"``, so they come from the model's hidden size rather than Lightning's 2e8."""
         if self._base is None:
@@ -356,13 +357,13 @@ class ConfigResolver:
             self._unpublished = (resolved, bucket_hints(config, ctx.hidden_size) if user else [])
         return resolved.config
 
-    def take_unpublished(self) -> Optional[tuple[Resolved, list[str]]]:
+    def take_unpublished(self) -> tuple[Resolved, list[str]] | None:
         """The last fit's resolved config and bucket hints, once."""
         pending, self._unpublished = self._unpublished, None
         return pending
 
 
-def write_resolved(resolved: Resolved, directory: Union[str, Path]) -> Path:
+def write_resolved(resolved: Resolved, directory: str | Path) -> Path:
     """Write the resolved config as ``<directory>/deepspeed_config.json`` (to reproduce the run); return the path."""
     path = Path(directory) / CONFIG_FILENAME
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,8 @@ for a small model that is memory spent on nothing, so the default config sizes t
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterable, Mapping, Optional
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from lightning_gaudi_ds.config.keys import AUTO, BUCKET_KEYS, ZERO
 
@@ -22,7 +23,7 @@ def bucket_sizes(hidden: int) -> dict[str, int]:
     }
 
 
-def hidden_size(module: Any) -> Optional[int]:
+def hidden_size(module: Any) -> int | None:
     """The model's hidden size: ``config.hidden_size`` of the module or a submodule (Hugging Face), else hparam
     ``hidden_size``, else the smaller dimension of the largest 2-D parameter; None when none of these exists."""
     modules = module.modules() if hasattr(module, "modules") else [module]
@@ -33,7 +34,7 @@ def hidden_size(module: Any) -> Optional[int]:
     value = (getattr(module, "hparams", None) or {}).get("hidden_size")
     if isinstance(value, int) and value > 0:
         return value
-    best: Optional[tuple[int, int]] = None
+    best: tuple[int, int] | None = None
     for param in module.parameters() if hasattr(module, "parameters") else ():
         shape = tuple(getattr(param, "ds_shape", None) or param.shape)  # ZeRO-3 partitioned parameters
         if len(shape) == 2 and (best is None or shape[0] * shape[1] > best[0]):
@@ -41,7 +42,7 @@ def hidden_size(module: Any) -> Optional[int]:
     return best[1] if best else None
 
 
-def bucket_hints(config: Mapping[str, Any], hidden: Optional[int]) -> list[str]:
+def bucket_hints(config: Mapping[str, Any], hidden: int | None) -> list[str]:
     """One line per bucket size a user config leaves to DeepSpeed's default when the model wants far less."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
@@ -55,7 +56,9 @@ def bucket_hints(config: Mapping[str, Any], hidden: Optional[int]) -> list[str]:
         f'{ZERO}.{name} is left to DeepSpeed\'s default of {int(fields[name]):,} elements; "auto" would size it from'
         f" the model (hidden size {hidden}): {wanted[f'{ZERO}.{name}']:,}"
         for name in names
-        if name not in zero and isinstance(fields.get(name), (int, float)) and fields[name] > 10 * wanted[f"{ZERO}.{name}"]
+        if name not in zero
+        and isinstance(fields.get(name), (int, float))
+        and fields[name] > 10 * wanted[f"{ZERO}.{name}"]
     ]
 
 
@@ -79,10 +82,11 @@ def mark_model_buckets(config: Mapping[str, Any], explicit_args: Mapping[str, An
     return cfg
 
 
-def shared_batch_size(loaders: Optional[Iterable[Any]]) -> Optional[int]:
+def shared_batch_size(loaders: Iterable[Any] | None) -> int | None:
     """The batch size every DataLoader in ``loaders`` shares (read from it or its batch sampler), else None."""
     sizes = set()
     for loader in loaders or ():
-        size = getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+        sampler = getattr(loader, "batch_sampler", None)
+        size = getattr(loader, "batch_size", None) or getattr(sampler, "batch_size", None)
         sizes.add(size if isinstance(size, int) else None)
     return sizes.pop() if len(sizes) == 1 else None

@@ -8,7 +8,8 @@ every parameter group and hyperparameter.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -18,6 +19,9 @@ from torch.optim import Optimizer
 from lightning_gaudi_ds._compat import _MockOptimizer, mark_step_wrapped_for_lr_scheduler
 from lightning_gaudi_ds.config import offloads_optimizer
 
+if TYPE_CHECKING:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
 #: Exact types converted (a subclass may change the update rule, so it is not converted).
 CONVERTIBLE = (torch.optim.Adam, torch.optim.AdamW)
 
@@ -26,7 +30,7 @@ def is_convertible(optimizer: Optimizer) -> bool:
     return type(optimizer) in CONVERTIBLE
 
 
-def to_cpu_adam(optimizer: Optimizer, scheduler: Optional[Any] = None) -> Optimizer:
+def to_cpu_adam(optimizer: Optimizer, scheduler: Any | None = None) -> DeepSpeedCPUAdam:
     """A ``DeepSpeedCPUAdam`` over ``optimizer``'s parameter groups, with its lr, betas, eps and weight decay.
 
     The new optimizer holds the *same* group dicts, and ``scheduler`` (if any) is pointed at it, so a learning-rate
@@ -64,8 +68,8 @@ def to_cpu_adam(optimizer: Optimizer, scheduler: Optional[Any] = None) -> Optimi
 
 
 def optimizer_sources(
-    config: Mapping[str, Any], optimizer: Optimizer, scheduler_config: Optional[LRSchedulerConfig]
-) -> tuple[Optional[Optimizer], Optional[LRSchedulerConfig]]:
+    config: Mapping[str, Any], optimizer: Optimizer, scheduler_config: LRSchedulerConfig | None
+) -> tuple[Optimizer | None, LRSchedulerConfig | None]:
     """The optimizer and scheduler to hand to ``deepspeed.initialize`` besides the config's own sections.
 
     ``optimizer`` and ``scheduler_config`` are what ``configure_optimizers`` returned (Lightning's
@@ -73,7 +77,7 @@ def optimizer_sources(
     when neither supplies an optimizer, or when ZeRO-Offload is on and the optimizer cannot become
     DeepSpeedCPUAdam; converts a torch Adam/AdamW under ZeRO-Offload.
     """
-    client: Optional[Optimizer] = None if isinstance(optimizer, _MockOptimizer) else optimizer
+    client: Optimizer | None = None if isinstance(optimizer, _MockOptimizer) else optimizer
     both = [
         f"`{section}` section ({(config[section] or {}).get('type')}) and configure_optimizers returned"
         f" {type(obj).__name__}"
@@ -101,9 +105,10 @@ def optimizer_sources(
                 ' config, or set "zero_force_ds_cpu_optimizer": false to keep it (slow).'
             )
         before = type(client).__name__
-        client = to_cpu_adam(client, getattr(scheduler_config, "scheduler", None))
+        cpu_adam = to_cpu_adam(client, getattr(scheduler_config, "scheduler", None))
+        client = cpu_adam
         rank_zero_info(
-            f"ZeRO-Offload: training with DeepSpeedCPUAdam (adamw_mode={client.adam_w_mode}) in place of the"
+            f"ZeRO-Offload: training with DeepSpeedCPUAdam (adamw_mode={cpu_adam.adam_w_mode}) in place of the"
             f" torch.optim.{before} from configure_optimizers, with the same parameter groups and hyperparameters;"
             " DeepSpeed refuses a torch optimizer with offload."
         )
@@ -112,7 +117,7 @@ def optimizer_sources(
 
 def single_optimizer(
     optimizers: list[Optimizer], schedulers: list[LRSchedulerConfig]
-) -> tuple[Optimizer, Optional[LRSchedulerConfig]]:
+) -> tuple[Optimizer, LRSchedulerConfig | None]:
     """The one optimizer and at most one scheduler DeepSpeed takes, from what ``configure_optimizers`` returned."""
     if len(optimizers) != 1 or len(schedulers) > 1:
         names = [type(o).__name__ for o in optimizers]
