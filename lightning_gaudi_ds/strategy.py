@@ -61,8 +61,6 @@ from lightning_gaudi_ds.ops import prepare_startup
 if TYPE_CHECKING:
     import deepspeed
 
-log = logging.getLogger(__name__)
-
 # (name, description, kwargs): the registered strategy names, as lightning-habana documented them.
 _REGISTERED: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("hpu_deepspeed", "DeepSpeed (ZeRO stage 2) on HPU, CUDA or CPU", {}),
@@ -77,7 +75,6 @@ _REGISTERED: tuple[tuple[str, str, dict[str, Any]], ...] = (
      {"stage": 3, "offload_optimizer": True, "offload_parameters": True, "remote_device": "nvme",
       "offload_params_device": "nvme", "offload_optimizer_device": "nvme"}),
 )
-
 
 
 class HPUDeepSpeedStrategy(DeepSpeedStrategy):
