@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.strategies.deepspeed import _format_precision_config
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 
@@ -23,6 +24,7 @@ __all__ = [
     "COPIED_FROM_LIGHTNING_VERSION",
     "DEEPSPEED_STRATEGY_ATTRIBUTES",
     "OVERRIDDEN_DEEPSPEED_STRATEGY_HOOKS",
+    "_PATH",
     "_MockOptimizer",
     "_StrategyRegistry",
     "_format_precision_config",

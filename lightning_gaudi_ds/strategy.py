@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -36,6 +35,7 @@ from typing_extensions import override
 from lightning_gaudi_ds import checkpoint as ckpt
 from lightning_gaudi_ds import hpu
 from lightning_gaudi_ds._compat import (
+    _PATH,
     _format_precision_config,
     _init_optimizers_and_lr_schedulers,
     _StrategyRegistry,

@@ -30,6 +30,7 @@ def _attr(module: str, name: str, library: str, used_by: str) -> Any:
     ("module", "name", "used_by"),
     [
         ("lightning.fabric.strategies", "_StrategyRegistry", "HPUDeepSpeedStrategy.register_strategies"),
+        ("lightning.fabric.utilities.types", "_PATH", "HPUDeepSpeedStrategy's path arguments (config, checkpoints)"),
         ("lightning.fabric.strategies.deepspeed", "_format_precision_config",
          "HPUDeepSpeedStrategy._format_config (Lightning's fp16 block)"),
         ("lightning.pytorch.core.optimizer", "_MockOptimizer",
@@ -41,7 +42,7 @@ def _attr(module: str, name: str, library: str, used_by: str) -> Any:
     ],
 )
 def test_lightning_private_names(module: str, name: str, used_by: str) -> None:
-    assert callable(_attr(module, name, LIGHTNING, used_by))
+    assert _attr(module, name, LIGHTNING, used_by) is not None
 
 
 def test_format_precision_config_signature() -> None:
@@ -152,6 +153,10 @@ def test_deepspeed_accelerator_name() -> None:
 
 @pytest.mark.parametrize("name", ["_REMOVED_TOP_LEVEL_CONFIG_KEYS", "_REMOVED_ZERO_CONFIG_KEYS"])
 def test_deepspeed_removed_key_tables(name: str) -> None:
+    from packaging.version import Version
+
+    if Version(version("deepspeed")) < Version("0.19.8"):  # older releases (Habana's 0.16 fork) have no tables
+        pytest.skip(f"{DEEPSPEED} predates the removed-key tables; validate_config names no removed keys there")
     table = _attr("deepspeed.runtime.config", name, DEEPSPEED, "config.load.validate_config (names removed keys)")
     assert isinstance(table, dict)
 
