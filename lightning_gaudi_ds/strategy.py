@@ -125,7 +125,13 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         )
         # Created before Lightning's __init__, which loads the config through _load_config.
         self._resolver = ConfigResolver(explicit_arguments(type(self), arguments))
-        super().__init__(**arguments)
+        # Each argument by name and `**kwargs` as such: jsonargparse (LightningCLI) follows `**kwargs` into
+        # DeepSpeedStrategy's signature only when it is passed on unchanged.
+        super().__init__(
+            stage=stage, accelerator=accelerator, config=config, offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters, remote_device=remote_device, nvme_path=nvme_path,
+            process_group_backend=process_group_backend, logging_level=logging_level, **kwargs,
+        )
         self._mark_step: Callable[[], None] | None = None
         self._owns_local_size = False
 
