@@ -177,3 +177,13 @@ def test_error_types_exported() -> None:
                  "HostfileError", "BuildLockError"):
         err = getattr(lightning_gaudi_ds, name)
         assert issubclass(err, Exception) and name in lightning_gaudi_ds.__all__
+
+
+def test_cli_sees_lightning_arguments_through_kwargs() -> None:
+    # LightningCLI learns the parameters **kwargs accepts from the super().__init__ call's source.
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(HPUDeepSpeedStrategy, "strategy")
+    args = parser.parse_args(["--strategy.stage=3", "--strategy.reduce_bucket_size=1000"])
+    assert (args.strategy.stage, args.strategy.reduce_bucket_size) == (3, 1000)
