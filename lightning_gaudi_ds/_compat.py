@@ -36,6 +36,7 @@ __all__ = [
     "remove_module_hooks",
     "set_deepspeed_accelerator",
     "train_dataloaders",
+    "created_deepspeed_accelerator",
 ]
 
 
@@ -51,7 +52,7 @@ OVERRIDDEN_DEEPSPEED_STRATEGY_HOOKS = (
     "_initialize_deepspeed_train",  # optimizer from the config or configure_optimizers
     "_initialize_deepspeed_inference",  # device_rank on CPU/HPU
     "_setup_model_and_optimizer",  # device_rank on CPU/HPU
-    "_init_optimizers",  # one optimizer, no Habana fused optimizer
+    "_init_optimizers",  # one optimizer; no Habana fused optimizer under ZeRO-Offload
     "_init_deepspeed_distributed",  # called from our setup_distributed
     "_set_deepspeed_activation_checkpointing",  # called from our _initialize_deepspeed_train
 )
@@ -151,3 +152,17 @@ def mark_step_wrapped_for_lr_scheduler(optimizer: Any) -> None:
 
     wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = wrapper
+
+
+# ================================================================================================= Gaudi (gaudi)
+def created_deepspeed_accelerator() -> str | None:
+    """The name of DeepSpeed's global accelerator if it exists already, else None, without creating it.
+
+    Creating DeepSpeed's HPU accelerator forces deterministic mode; whether that happened before the Trainer was
+    built (``import deepspeed`` on a Gaudi machine creates it) decides what the strategy can tell the user.
+    """
+    import sys
+
+    module = sys.modules.get("deepspeed.accelerator.real_accelerator")
+    accelerator = getattr(module, "ds_accelerator", None)
+    return None if accelerator is None else str(accelerator._name)

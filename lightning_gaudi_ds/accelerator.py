@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import torch
 from lightning.fabric.accelerators.registry import _AcceleratorRegistry
@@ -38,7 +38,7 @@ class HPUAccelerator(Accelerator):
 
     @staticmethod
     @override
-    def parse_devices(devices: Union[int, str, list[int]]) -> int:
+    def parse_devices(devices: int | str | list[int]) -> int:
         if isinstance(devices, (list, tuple)):
             # Each rank opens the card its local rank maps to through HABANA_VISIBLE_MODULES; an index list
             # would silently run on modules 0..n-1.
@@ -64,7 +64,7 @@ class HPUAccelerator(Accelerator):
 
     @staticmethod
     @override
-    def get_parallel_devices(devices: Union[int, str, list[int]]) -> list[torch.device]:
+    def get_parallel_devices(devices: int | str | list[int]) -> list[torch.device]:
         # Each process opens one Gaudi card; inside the process it is simply "hpu".
         return [torch.device("hpu")] * HPUAccelerator.parse_devices(devices)
 

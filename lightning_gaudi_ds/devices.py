@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Union
 
 import torch
 from lightning.pytorch.utilities import find_shared_parameters, set_shared_parameters
@@ -21,8 +21,9 @@ from lightning_gaudi_ds.hpu import habana_frameworks_installed, hpu_available
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "DEVICES", "DeviceSpec", "apply_env_defaults", "detect_device_type", "deterministic_mismatch", "device_spec",
-    "habana_frameworks_installed", "hpu_available", "move_keeping_tied_parameters", "validate_precision",
+    "DEVICES", "DeviceSpec", "apply_env_defaults", "deterministic_change", "deterministic_state",
+    "detect_device_type", "device_spec", "habana_frameworks_installed", "hpu_available",
+    "move_keeping_tied_parameters", "validate_precision",
 ]
 
 ALL_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
@@ -103,33 +104,34 @@ def detect_device_type() -> str:
     return "cpu"
 
 
-def deterministic_mismatch(requested: Optional[Union[bool, str]]) -> Optional[str]:
-    """What differs between torch's deterministic mode and ``Trainer(deterministic=requested)``, or None.
+def deterministic_state() -> tuple[bool, bool]:
+    """torch's deterministic mode: (enabled, warn_only)."""
+    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
 
-    DeepSpeed's HPU accelerator turns deterministic mode on for the whole process when it is created, which on
-    Gaudi happens as soon as ``deepspeed`` is imported, so only a comparison after the fact can tell.
+
+def _describe(state: tuple[bool, bool]) -> str:
+    enabled, warn_only = state
+    return f"on{' (warn_only)' if warn_only else ''}" if enabled else "off"
+
+
+def deterministic_change(at_trainer: tuple[bool, bool], forced_before_trainer: bool) -> str | None:
+    """What DeepSpeed's accelerator did to torch's deterministic mode, for the user; None when nothing to say.
+
+    ``at_trainer`` is the mode once the Trainer applied ``Trainer(deterministic=...)`` (its constructor does);
+    ``forced_before_trainer``: DeepSpeed's HPU accelerator, whose creation forces the mode on, existed already
+    then (``import deepspeed`` on a Gaudi machine creates it), so the Trainer's mode may be DeepSpeed's.
     """
-    enabled = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    if requested is None or requested is False:
-        if not enabled:
-            return None
-        return (
-            f"torch.use_deterministic_algorithms(True{', warn_only=True' if warn_only else ''}) is in force for this"
-            f" process, but `Trainer(deterministic={requested!r})` did not ask for it: DeepSpeed's HPU accelerator"
-            " turns it on. Some operators run slower or raise in deterministic mode. Pass"
-            " `Trainer(deterministic=True)` to keep it knowingly, or call torch.use_deterministic_algorithms(False)"
-            " in your LightningModule's setup() to undo it."
-        )
-    want_warn_only = requested == "warn"
-    if enabled and warn_only == want_warn_only:
-        return None
-    state = "off" if not enabled else f"warn_only={warn_only}"
-    return (
-        f"`Trainer(deterministic={requested!r})` asked for deterministic algorithms, but they are {state} after"
-        " DeepSpeed's accelerator was set up. Call torch.use_deterministic_algorithms(True"
-        f"{', warn_only=True' if want_warn_only else ''}) in your LightningModule's setup() to restore it."
-    )
+    now = deterministic_state()
+    undo = (" Some operators run slower or raise in deterministic mode. To choose, call"
+            " torch.use_deterministic_algorithms(...) in your LightningModule's setup().")
+    if now != at_trainer:
+        return (f"DeepSpeed's accelerator turned torch's deterministic algorithms {_describe(now)} when it was"
+                f" created; the Trainer had them {_describe(at_trainer)} (Trainer(deterministic=...)).{undo}")
+    if forced_before_trainer and now[0]:
+        return ("torch's deterministic algorithms are on: DeepSpeed's HPU accelerator turns them on when it is"
+                " created, which happened when deepspeed was imported, before the Trainer. If you did not ask for"
+                " them with Trainer(deterministic=True), they are DeepSpeed's." + undo)
+    return None
 
 
 def move_keeping_tied_parameters(module: Module, device: torch.device) -> Module:

@@ -12,7 +12,8 @@ import importlib.util
 import logging
 import os
 import sys
-from typing import Any, Callable, Literal, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 import torch
 
@@ -31,7 +32,9 @@ ENV_DEFAULTS: Mapping[str, str] = {
 # What remote ranks of a multi-node mpirun need from the launching shell (Open MPI passes only `-x` names): the
 # execution mode and bridge flags, the visible cards, HCCL's network settings, the libraries the bridge loads.
 MPI_FORWARD_PREFIXES = ("PT_HPU_", "PT_HCCL_", "HABANA_", "HCCL_", "HCL_")
-MPI_FORWARD_NAMES = ("LD_LIBRARY_PATH", "GC_KERNEL_PATH", "HABANA_LOGS", "DEEPSPEED_USE_HPU", "TORCHINDUCTOR_COMPILE_THREADS")
+MPI_FORWARD_NAMES = (
+    "LD_LIBRARY_PATH", "GC_KERNEL_PATH", "HABANA_LOGS", "DEEPSPEED_USE_HPU", "TORCHINDUCTOR_COMPILE_THREADS",
+)
 
 MISSING_STACK = (
     "`Trainer(accelerator='hpu')` needs the Intel Gaudi software stack: the Python package"
@@ -96,7 +99,7 @@ def fp16_supported() -> bool:
     return device_name() != "GAUDI"
 
 
-def stack_version() -> Optional[str]:
+def stack_version() -> str | None:
     """The installed Gaudi PyTorch bridge's version, or None when unknown."""
     try:
         from habana_frameworks.torch import __version__
@@ -121,7 +124,7 @@ def mode_env(mode: Mode) -> dict[str, str]:
     return {LAZY_MODE_ENV: "1" if mode == "lazy" else "0"}
 
 
-def imported_mode() -> Optional[Mode]:
+def imported_mode() -> Mode | None:
     """The mode ``habana_frameworks`` was imported with, or None when this process has not imported it."""
     if "habana_frameworks.torch" not in sys.modules:
         return None
@@ -131,7 +134,7 @@ def imported_mode() -> Optional[Mode]:
     return "lazy" if is_lazy() else "eager"
 
 
-def check_mode(requested: Optional[Mode]) -> Mode:
+def check_mode(requested: Mode | None) -> Mode:
     """The mode this process runs in; refuses ``requested`` when ``habana_frameworks`` was imported in the other.
 
     When the stack is not imported yet, ``requested`` is written to ``PT_HPU_LAZY_MODE`` so the import (and every
@@ -154,7 +157,7 @@ def check_mode(requested: Optional[Mode]) -> Mode:
     return wanted
 
 
-def describe_mode(mode: Mode, compile_backend: Optional[str]) -> str:
+def describe_mode(mode: Mode, compile_backend: str | None) -> str:
     """One line for the logs: the execution mode and how graphs are built."""
     if mode == "lazy":
         return "HPU execution mode: lazy (PT_HPU_LAZY_MODE=1; graphs cut by mark_step, a legacy fallback)"
@@ -162,7 +165,7 @@ def describe_mode(mode: Mode, compile_backend: Optional[str]) -> str:
     return f"HPU execution mode: eager (PT_HPU_LAZY_MODE=0; {how})"
 
 
-def mark_step_fn(mode: Optional[Mode] = None) -> Optional[Callable[[], None]]:
+def mark_step_fn(mode: Mode | None = None) -> Callable[[], None] | None:
     """``htcore.mark_step`` in lazy mode (by default the mode this process imported), else ``None``: eager mode
     has no graphs to cut."""
     if (mode or imported_mode() or mode_from_env()) != "lazy":
@@ -205,7 +208,7 @@ def is_habana_fused_optimizer(optimizer: Any) -> bool:
     return module.startswith("habana_frameworks.torch.hpex.optimizers")
 
 
-def fused_optimizer_problem(optimizer: Any, offloads_optimizer: bool) -> Optional[str]:
+def fused_optimizer_problem(optimizer: Any, offloads_optimizer: bool) -> str | None:
     """Why DeepSpeed cannot train with ``optimizer``, or None when it can.
 
     A Habana fused optimizer runs HPU kernels on HPU tensors. As DeepSpeed's client optimizer on the card it works
@@ -222,7 +225,7 @@ def fused_optimizer_problem(optimizer: Any, offloads_optimizer: bool) -> Optiona
 
 
 # -------------------------------------------------------------------------------------- mpirun on Gaudi
-def mpirun_binding(ranks_per_node: int, physical_cores: Optional[int]) -> list[str]:
+def mpirun_binding(ranks_per_node: int, physical_cores: int | None) -> list[str]:
     """Open MPI flags that pin each rank to its own cores, as Habana's launchers do.
 
     Each rank gets ``physical_cores // ranks_per_node`` cores (its data loader and the bridge's host threads run
@@ -241,23 +244,3 @@ def mpirun_forward_names(environ: Mapping[str, str] = os.environ) -> list[str]:
         if key.startswith(MPI_FORWARD_PREFIXES) or key in MPI_FORWARD_NAMES
     )
 
-
-# Until the strategy is rewired onto the helpers above (its module is being split concurrently).
-def is_fused_adam(optimizer: Any) -> bool:
-    return is_habana_fused_optimizer(optimizer)
-
-
-def warn_if_deterministic_forced(before: bool) -> None:
-    if not before and torch.are_deterministic_algorithms_enabled():
-        log.warning(
-            "DeepSpeed's HPU accelerator turned on torch.use_deterministic_algorithms(True) for this process."
-            " Some operators run slower or raise in deterministic mode; call"
-            " torch.use_deterministic_algorithms(False) in your LightningModule's setup() to undo it."
-        )
-
-
-def total_memory(index: int = 0) -> int:
-    """Bytes of memory on HPU ``index`` (the runtime's ``Limit``: what the allocator may use)."""
-    import habana_frameworks.torch.hpu as hthpu
-
-    return int(hthpu.memory_stats(index)["Limit"])

@@ -40,6 +40,7 @@ from lightning_gaudi_ds._compat import (
     _init_optimizers_and_lr_schedulers,
     _StrategyRegistry,
     attached_trainer,
+    created_deepspeed_accelerator,
     remove_module_hooks,
     set_deepspeed_accelerator,
     train_dataloaders,
@@ -50,10 +51,19 @@ from lightning_gaudi_ds.config import (
     Resolved,
     explicit_arguments,
     hidden_size,
+    offloads_optimizer,
     shared_batch_size,
     write_resolved,
 )
-from lightning_gaudi_ds.devices import DeviceSpec, device_spec, hpu_available, validate_precision
+from lightning_gaudi_ds.devices import (
+    DeviceSpec,
+    deterministic_change,
+    deterministic_state,
+    device_spec,
+    hpu_available,
+    move_keeping_tied_parameters,
+    validate_precision,
+)
 from lightning_gaudi_ds.engine import train
 from lightning_gaudi_ds.environments import check_launcher_world_size, resolve_environment
 from lightning_gaudi_ds.ops import prepare_startup
@@ -89,6 +99,13 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         offload_optimizer: ZeRO-Offload of optimizer states (and the step) to CPU.
         offload_parameters: offload parameters too (stage 3).
         process_group_backend: overrides the device's backend (gloo on CPU, nccl on CUDA, hccl on HPU).
+        hpu_mode: Gaudi execution mode, ``"eager"`` or ``"lazy"``; by default the mode ``habana_frameworks`` was
+            imported with (``PT_HPU_LAZY_MODE``, eager when unset). The mode is fixed when the Gaudi stack is
+            first imported, so a different one is refused: set it for the launcher instead
+            (``lightning-gaudi-ds spawn --hpu_mode``).
+        torch_compile: compile the DeepSpeed engine with ``torch.compile`` and DeepSpeed's accelerator backend
+            (``hpu_backend`` on Gaudi, inductor on CPU). By default on for HPUs in eager mode, Habana's
+            recommended path, and off elsewhere. Lazy mode cannot compile.
         **kwargs: every other argument of :class:`lightning.pytorch.strategies.DeepSpeedStrategy`.
     """
 
@@ -106,8 +123,16 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         nvme_path: str = "/local_nvme",
         process_group_backend: str | None = None,
         logging_level: int = logging.WARN,
+        hpu_mode: hpu.Mode | None = None,
+        torch_compile: bool | None = None,
         **kwargs: Any,
     ) -> None:
+        if hpu_mode not in (None, "eager", "lazy"):
+            raise ValueError(f"`HPUDeepSpeedStrategy(hpu_mode={hpu_mode!r})` is not a Gaudi execution mode. Use"
+                             " 'eager' (with torch.compile, Habana's default) or 'lazy' (the legacy mark_step mode).")
+        if torch_compile not in (None, True, False):
+            raise ValueError(f"`HPUDeepSpeedStrategy(torch_compile={torch_compile!r})`: pass True, False or None"
+                             " (None: on for HPUs in eager mode, off elsewhere).")
         if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
             raise ValueError(
                 f"`HPUDeepSpeedStrategy(stage={stage!r})` is not a ZeRO stage. Allowed: 0, 1, 2, 3"
@@ -132,8 +157,20 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             offload_parameters=offload_parameters, remote_device=remote_device, nvme_path=nvme_path,
             process_group_backend=process_group_backend, logging_level=logging_level, **kwargs,
         )
+        self._requested_hpu_mode: hpu.Mode | None = hpu_mode
+        self._requested_compile = torch_compile
+        self.hpu_mode: hpu.Mode | None = None  # the mode in force, once the Trainer chose an HPU
+        self._deterministic_at_trainer = deterministic_state()
+        self._deepspeed_hpu_before_trainer = False
         self._mark_step: Callable[[], None] | None = None
         self._owns_local_size = False
+
+    @property
+    def torch_compile(self) -> bool:
+        """Whether the engine is compiled after ``deepspeed.initialize`` (see the ``torch_compile`` argument)."""
+        if self._requested_compile is not None:
+            return self._requested_compile
+        return self.hpu_mode == "eager"
 
     # ----------------------------------------------------------------------------------------- set-up
     @property
@@ -147,6 +184,17 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         # at which a device/precision mismatch can be reported, before any process is started.
         assert self.parallel_devices is not None
         validate_precision(self.precision_plugin.precision, self.parallel_devices[0])
+        # The Trainer's constructor has applied Trainer(deterministic=...) by now.
+        self._deterministic_at_trainer = deterministic_state()
+        self._deepspeed_hpu_before_trainer = created_deepspeed_accelerator() == "hpu"
+        if self.parallel_devices[0].type == "hpu":
+            # Refuses a mode other than the imported one, and exports it to the ranks Lightning's launcher starts.
+            self.hpu_mode = hpu.check_mode(self._requested_hpu_mode)
+            if self.hpu_mode == "lazy" and self._requested_compile:
+                raise ValueError(
+                    "`HPUDeepSpeedStrategy(torch_compile=True)` with HPU lazy mode: torch.compile needs eager mode."
+                    " Run with PT_HPU_LAZY_MODE=0 (hpu_mode='eager'), or drop torch_compile=True."
+                )
         if self.parallel_devices[0].type == "cpu" and hpu_available():
             rank_zero_warn(
                 "A Gaudi device is visible but the Trainer selected CPU (Lightning's accelerator='auto' does not"
@@ -169,8 +217,16 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             os.environ["LOCAL_SIZE"] = str(self.num_processes)
             self._owns_local_size = True
         self._select_deepspeed_accelerator(spec)
-        if spec.device_type == "hpu":  # HCCL is prepared before the device is touched
-            self.set_world_ranks()
+        # DeepSpeed's HPU accelerator forces deterministic mode when it is created: at the selection above, or
+        # earlier when deepspeed was imported on a Gaudi machine. Compared after the selection whatever it did.
+        change = deterministic_change(self._deterministic_at_trainer, self._deepspeed_hpu_before_trainer)
+        if change:
+            rank_zero_warn(change)
+        if spec.device_type == "hpu":
+            hpu.disable_uninitialized_memory_fill()
+            self.hpu_mode = self.hpu_mode or hpu.check_mode(self._requested_hpu_mode)
+            rank_zero_info(hpu.describe_mode(self.hpu_mode, self._compile_backend() if self.torch_compile else None))
+            self.set_world_ranks()  # HCCL is prepared before the device is touched
             hpu.init_distributed(self.world_size, self.global_rank, self.local_rank)
         DDPStrategy.setup_environment(self)
 
@@ -191,12 +247,15 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     def _select_deepspeed_accelerator(self, spec: DeviceSpec) -> None:
         """Make DeepSpeed's global accelerator match the Trainer's device (DS_ACCELERATOR may differ)."""
-        deterministic_before = torch.are_deterministic_algorithms_enabled()
         previous = set_deepspeed_accelerator(spec.deepspeed_accelerator)
         if previous is not None:
             rank_zero_info(f"DeepSpeed accelerator: {spec.deepspeed_accelerator} (was {previous})")
-            if spec.device_type == "hpu":
-                hpu.warn_if_deterministic_forced(deterministic_before)
+
+    @staticmethod
+    def _compile_backend() -> str:
+        from deepspeed.accelerator import get_accelerator
+
+        return str(get_accelerator().get_compile_backend())
 
     def _validate_trainer_flags(self) -> None:
         """Trainer settings DeepSpeed cannot honour, reported before the process group starts."""
@@ -210,9 +269,9 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         if self.device_spec.device_type == "hpu":
-            self._mark_step = hpu.mark_step_fn()
-            if self.lightning_module is not None:
-                self.lightning_module.to(self.root_device)  # HPU: the engine expects the model on the card
+            self._mark_step = hpu.mark_step_fn(self.hpu_mode)
+            if self.lightning_module is not None:  # the engine expects the model on the card
+                move_keeping_tied_parameters(self.lightning_module, self.root_device)
         super().setup(trainer)
 
     # ------------------------------------------------------------------------------------- engine
@@ -285,6 +344,9 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
                 scheduler_config.scheduler = ds_scheduler
             self.lr_scheduler_configs = [scheduler_config]
         self.model = engine
+        if self.torch_compile:
+            # Through the engine: Lightning refuses a module already passed through torch.compile with DeepSpeed.
+            engine.compile(backend=self._compile_backend())
 
     def _client_optimizer_and_scheduler(self) -> tuple[Optimizer | None, LRSchedulerConfig | None]:
         assert isinstance(self.config, dict)
@@ -297,12 +359,10 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     def _init_optimizers(self) -> tuple[Optimizer, LRSchedulerConfig | None]:
         assert self.lightning_module is not None
         optimizer, scheduler_config = train.single_optimizer(*_init_optimizers_and_lr_schedulers(self.lightning_module))
-        if hpu.is_fused_adam(optimizer):
-            raise ValueError(
-                f"`configure_optimizers` returned Habana's fused optimizer {type(optimizer).__qualname__}, which"
-                " does not work with DeepSpeed. Return a regular optimizer such as torch.optim.AdamW; DeepSpeed"
-                " runs its own optimizer step."
-            )
+        offload = isinstance(self.config, dict) and offloads_optimizer(self.config)
+        problem = hpu.fused_optimizer_problem(optimizer, offload)
+        if problem:
+            raise ValueError(problem)
         return optimizer, scheduler_config
 
     # ------------------------------------------------------------------- HPU lazy-mode graph breaks
@@ -342,11 +402,17 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        # HCCL reduces with sum/min/max only: do "mean" as sum / (ranks in the group) there.
-        if self._get_process_group_backend() == "hccl" and isinstance(tensor, Tensor) and _is_mean(reduce_op):
-            size = torch.distributed.get_world_size(group) if group is not None else self.world_size
-            return super().reduce(tensor, group, "sum") / size
-        return super().reduce(tensor, group, reduce_op)
+        if self._get_process_group_backend() != "hccl" or not isinstance(tensor, Tensor):
+            return super().reduce(tensor, group, reduce_op)
+        # hccl is registered for HPU tensors only (a logged CPU value would find no backend), and reduces with
+        # sum/min/max only: a mean is a sum divided by the ranks, in floating point so integers do not truncate.
+        mean = _is_mean(reduce_op)
+        dtype = torch.get_default_dtype() if mean and not tensor.is_floating_point() else None
+        tensor = tensor.to(device=self.root_device, dtype=dtype)
+        if not mean:
+            return super().reduce(tensor, group, reduce_op)
+        size = torch.distributed.get_world_size(group) if group is not None else self.world_size
+        return super().reduce(tensor, group, "sum") / size
 
     @override
     def teardown(self) -> None:

@@ -252,11 +252,13 @@ def install(
     double.initialize_distributed_hpu()  # distributed/hccl/__init__.py, at import
     double.calls.clear()
     double.patch_to(monkeypatch)
-    if deepspeed_detects:
-        import deepspeed.accelerator.real_accelerator as real_accelerator
+    import deepspeed.accelerator.real_accelerator as real_accelerator
 
-        monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory",
-                            torch.utils.deterministic.fill_uninitialized_memory)
+    # Restored after the test: DeepSpeed's global accelerator and the fill flag its HPU accelerator sets.
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory",
+                        torch.utils.deterministic.fill_uninitialized_memory)
+    monkeypatch.setattr(real_accelerator, "ds_accelerator", real_accelerator.ds_accelerator)
+    if deepspeed_detects:
         monkeypatch.setattr(real_accelerator, "ds_accelerator", None)
         monkeypatch.delenv("DS_ACCELERATOR", raising=False)
         real_accelerator.get_accelerator()

@@ -170,3 +170,17 @@ def test_torch_lr_scheduler_step_marks() -> None:
             f"{TORCH} no longer marks the wrapped optimizer step with {mark}; engine.train.to_cpu_adam copies the"
             " marks (_compat.mark_step_wrapped_for_lr_scheduler) so a re-pointed scheduler does not warn"
         )
+
+
+# ================================================================================================= Gaudi (gaudi)
+def test_created_deepspeed_accelerator() -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    import deepspeed.accelerator.real_accelerator as real_accelerator
+    from lightning_gaudi_ds._compat import created_deepspeed_accelerator
+
+    assert hasattr(real_accelerator, "ds_accelerator"), (
+        f"{DEEPSPEED} removed deepspeed.accelerator.real_accelerator.ds_accelerator, used by HPUDeepSpeedStrategy"
+        " (was DeepSpeed's HPU accelerator, which forces deterministic mode, created before the Trainer?)"
+    )
+    assert created_deepspeed_accelerator() == get_accelerator()._name

@@ -17,7 +17,12 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from lightning_gaudi_ds import HPUAccelerator, HPUDeepSpeedStrategy, hpu
-from lightning_gaudi_ds.devices import deterministic_mismatch, move_keeping_tied_parameters, validate_precision
+from lightning_gaudi_ds.devices import (
+    deterministic_change,
+    deterministic_state,
+    move_keeping_tied_parameters,
+    validate_precision,
+)
 from tests import hpu_double
 from tests.hpu_double import FusedAdamW
 
@@ -135,43 +140,86 @@ def test_mark_step_placement(gaudi, monkeypatch, lazy):
     assert gaudi.names() == expected
 
 
-def test_fused_adamw_is_refused_with_a_fix(gaudi):
+def test_fused_adamw_allowed_as_client_optimizer_on_the_card(gaudi):
     trainer = hpu_trainer()
     model = Tiny(fused=True)
     model.trainer = trainer
     trainer.strategy._lightning_module = model
-    with pytest.raises(ValueError, match=r"fused optimizer FusedAdamW.*torch.optim.AdamW"):
+    trainer.strategy.config = {"zero_optimization": {"stage": 2}}
+    optimizer, _ = trainer.strategy._init_optimizers()
+    assert isinstance(optimizer, FusedAdamW)
+
+
+def test_fused_adamw_refused_with_offload_saying_why(gaudi):
+    trainer = hpu_trainer(strategy=HPUDeepSpeedStrategy(stage=2, offload_optimizer=True))
+    model = Tiny(fused=True)
+    model.trainer = trainer
+    trainer.strategy._lightning_module = model
+    with pytest.raises(ValueError, match=r"FusedAdamW.*ZeRO-Offload.*torch.optim.AdamW"):
         trainer.strategy._init_optimizers()
 
 
-def test_mean_reduce_is_sum_over_world_size_on_hccl(gaudi, monkeypatch):
-    trainer = hpu_trainer()
+def hccl_collective(gaudi, monkeypatch, world_size=2):
+    """Lightning's all-reduce, through the double's hccl group (HPU tensors only) of ``world_size`` ranks."""
     ops = []
-    monkeypatch.setattr(DDPStrategy, "reduce", lambda self, t, group=None, reduce_op="mean": ops.append(reduce_op) or t * 2)
-    out = trainer.strategy.reduce(torch.tensor(3.0), reduce_op="mean")
+
+    def reduce(self, tensor, group=None, reduce_op="mean"):
+        ops.append(reduce_op)
+        return gaudi.all_reduce(tensor, reduce_op, world_size)
+
+    monkeypatch.setattr(DDPStrategy, "reduce", reduce)
+    return ops
+
+
+def test_reduce_on_hccl_moves_the_tensor_to_the_card_first(gaudi, monkeypatch):
+    trainer = hpu_trainer()
+    ops = hccl_collective(gaudi, monkeypatch)
+    out = trainer.strategy.reduce(torch.tensor(3.0), reduce_op="mean")  # what self.log(..., sync_dist=True) sends
     assert ops == ["sum"] and out.item() == pytest.approx(3.0)  # (3 + 3) / 2 ranks
-    trainer.strategy.reduce(torch.tensor(3.0), reduce_op="max")
+    assert trainer.strategy.reduce(torch.tensor(3.0), reduce_op="max").item() == 3.0
     assert ops == ["sum", "max"]
 
 
-@pytest.mark.xfail(strict=True, reason="the strategy compares only when it switches DeepSpeed's accelerator, and"
-                   " on Gaudi DeepSpeed has already picked HPU when it was imported")
-def test_deepspeed_hpu_accelerator_side_effect_is_reported(gaudi, monkeypatch, caplog):
+def test_reduce_mean_of_integers_is_not_truncated(gaudi, monkeypatch):
     trainer = hpu_trainer()
-    was = torch.are_deterministic_algorithms_enabled()
-    try:
-        with caplog.at_level(logging.WARNING, logger="lightning_gaudi_ds"):
-            trainer.strategy._select_deepspeed_accelerator(trainer.strategy.device_spec)
-        from deepspeed.accelerator import get_accelerator
+    hccl_collective(gaudi, monkeypatch)
+    out = trainer.strategy.reduce(torch.tensor(3), reduce_op="mean")
+    assert out.is_floating_point() and out.item() == pytest.approx(3.0)
+    assert trainer.strategy.reduce(torch.tensor(3), reduce_op="sum").dtype == torch.int64
 
-        assert get_accelerator()._name == "hpu"
-        assert "use_deterministic_algorithms(True)" in caplog.text
-    finally:
-        from deepspeed.accelerator import set_accelerator
-        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
-        set_accelerator(CPU_Accelerator())
-        torch.use_deterministic_algorithms(was)
+def setup_environment_only(strategy, monkeypatch):
+    monkeypatch.setattr(strategy, "_init_deepspeed_distributed", lambda: None)
+    monkeypatch.setattr(HPUAccelerator, "setup_device", lambda self, device: None)
+    strategy.setup_environment()
+
+
+def test_deterministic_mode_forced_before_the_trainer_is_reported(gaudi, monkeypatch):
+    # The double let DeepSpeed pick its HPU accelerator at install, as importing DeepSpeed on a Gaudi does:
+    # deterministic mode is already on, and the strategy has no accelerator to switch.
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)  # the fork leaves it on
+    trainer = hpu_trainer()
+    with pytest.warns(UserWarning, match=r"deterministic algorithms are on.*when deepspeed was imported"):
+        setup_environment_only(trainer.strategy, monkeypatch)
+    assert torch.utils.deterministic.fill_uninitialized_memory is False
+
+
+def test_deterministic_mode_forced_at_selection_is_reported(clean_env, monkeypatch):
+    hpu_double.install(clean_env, deepspeed_detects=False)  # DeepSpeed imported before the stack: CPU accelerator
+    torch.use_deterministic_algorithms(False)
+    trainer = hpu_trainer()
+    with pytest.warns(UserWarning, match=r"turned torch's deterministic algorithms on.*Trainer had them off"):
+        setup_environment_only(trainer.strategy, monkeypatch)
+    from deepspeed.accelerator import get_accelerator
+
+    assert get_accelerator()._name == "hpu"
+
+
+def test_deterministic_mode_asked_for_is_not_reported(clean_env, monkeypatch, recwarn):
+    hpu_double.install(clean_env, deepspeed_detects=False)
+    trainer = hpu_trainer(deterministic=True)
+    setup_environment_only(trainer.strategy, monkeypatch)
+    assert not [w for w in recwarn if "deterministic" in str(w.message)]
 
 
 # ---------------------------------------------------------------------------- the double behaves like the import
@@ -263,15 +311,17 @@ def test_move_keeping_tied_parameters(gaudi):
 
 
 # -------------------------------------------------------------------------------------- determinism (point 3)
-def test_deterministic_mismatch_names_what_was_forced(clean_env):
-    torch.use_deterministic_algorithms(True)
-    assert "did not ask for it" in deterministic_mismatch(None)
-    assert "Trainer(deterministic=False)" in deterministic_mismatch(False)
-    assert deterministic_mismatch(True) is None
-    assert "warn_only=False" in deterministic_mismatch("warn")
+def test_deterministic_change_names_what_was_forced(clean_env):
     torch.use_deterministic_algorithms(False)
-    assert deterministic_mismatch(None) is None
-    assert "they are off" in deterministic_mismatch(True)
+    off = deterministic_state()
+    assert deterministic_change(off, forced_before_trainer=False) is None
+    torch.use_deterministic_algorithms(True)
+    assert "turned torch's deterministic algorithms on" in deterministic_change(off, forced_before_trainer=False)
+    on = deterministic_state()
+    assert deterministic_change(on, forced_before_trainer=False) is None  # Trainer(deterministic=True)
+    assert "when deepspeed was imported, before the Trainer" in deterministic_change(on, forced_before_trainer=True)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    assert "(warn_only)" in deterministic_change(on, forced_before_trainer=False)
 
 
 def test_uninitialized_memory_fill_is_turned_off(clean_env):
@@ -320,3 +370,101 @@ def test_fp16_on_first_generation_gaudi_is_refused_at_trainer_construction(clean
 def test_fp16_on_gaudi2_is_accepted(gaudi):
     validate_precision("16-mixed", "hpu")
     assert HPUAccelerator.get_device_name() == "GAUDI2"
+
+
+# ------------------------------------------------------------------------- the strategy's execution mode (point 1)
+class FakeEngine:
+    """What the strategy asks of DeepSpeed's engine after deepspeed.initialize."""
+
+    lr_scheduler = None
+
+    def __init__(self) -> None:
+        self.compiled_with = None
+
+    def compile(self, backend=None, compile_kwargs=None):  # DeepSpeedEngine.compile's leading parameters
+        self.compiled_with = backend
+
+
+def build_engine(strategy, monkeypatch) -> FakeEngine:
+    engine = FakeEngine()
+    monkeypatch.setattr(strategy, "_client_optimizer_and_scheduler", lambda: (None, None))
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    monkeypatch.setattr(strategy, "_setup_model_and_optimizer", lambda model, opt, sched: (engine, optimizer))
+    monkeypatch.setattr(strategy, "_set_deepspeed_activation_checkpointing", lambda: None)
+    strategy._initialize_deepspeed_train(Tiny())
+    return engine
+
+
+def test_eager_by_default_compiles_the_engine_with_the_accelerator_backend(gaudi, monkeypatch, caplog):
+    trainer = hpu_trainer()
+    strategy = trainer.strategy
+    assert strategy.hpu_mode == "eager" and strategy.torch_compile
+    assert os.environ["PT_HPU_LAZY_MODE"] == "0"  # exported for the ranks Lightning's launcher starts
+    assert build_engine(strategy, monkeypatch).compiled_with == "hpu_backend"
+    strategy._lightning_module = Tiny()
+    strategy._lightning_module.trainer = trainer
+    with caplog.at_level(logging.INFO):
+        setup_environment_only(strategy, monkeypatch)
+    assert "HPU execution mode: eager" in caplog.text and "hpu_backend" in caplog.text
+
+
+def test_compile_can_be_turned_off(gaudi, monkeypatch):
+    trainer = hpu_trainer(strategy=HPUDeepSpeedStrategy(torch_compile=False))
+    assert build_engine(trainer.strategy, monkeypatch).compiled_with is None
+
+
+def test_cpu_does_not_compile_unless_asked(gaudi, monkeypatch):
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=HPUDeepSpeedStrategy(), logger=False)
+    assert not trainer.strategy.torch_compile and trainer.strategy.hpu_mode is None
+
+
+def test_lazy_mode_marks_steps_and_does_not_compile(clean_env, monkeypatch):
+    clean_env.setenv("PT_HPU_LAZY_MODE", "1")
+    gaudi = hpu_double.install(clean_env)
+    trainer = hpu_trainer()
+    assert trainer.strategy.hpu_mode == "lazy" and not trainer.strategy.torch_compile
+    assert build_engine(trainer.strategy, monkeypatch).compiled_with is None
+    trainer.strategy._lightning_module = Tiny()
+    trainer.strategy._lightning_module.trainer = trainer
+    monkeypatch.setattr(DeepSpeedStrategy, "setup", lambda self, trainer: None)
+    trainer.strategy.setup(trainer)
+    monkeypatch.setattr(DeepSpeedStrategy, "backward", lambda self, loss, opt, *a, **k: loss)
+    trainer.strategy.backward(torch.tensor(1.0), None)
+    assert "mark_step" in gaudi.names()
+
+
+def test_lazy_mode_with_compile_is_refused(clean_env):
+    clean_env.setenv("PT_HPU_LAZY_MODE", "1")
+    hpu_double.install(clean_env)
+    with pytest.raises(ValueError, match="torch.compile needs eager mode"):
+        hpu_trainer(strategy=HPUDeepSpeedStrategy(torch_compile=True))
+
+
+def test_mode_other_than_the_imported_one_is_refused_at_trainer_construction(gaudi):
+    with pytest.raises(RuntimeError, match=r"'lazy' was requested.*imported in 'eager'"):
+        hpu_trainer(strategy=HPUDeepSpeedStrategy(hpu_mode="lazy"))
+
+
+def test_bad_mode_and_compile_values_are_refused():
+    with pytest.raises(ValueError, match="hpu_mode='graph'"):
+        HPUDeepSpeedStrategy(hpu_mode="graph")
+    with pytest.raises(ValueError, match="torch_compile='yes'"):
+        HPUDeepSpeedStrategy(torch_compile="yes")
+
+
+# ---------------------------------------------------------------------------- the strategy keeps ties (point 2)
+class TiedModule(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = TiedLM()
+
+
+def test_strategy_setup_keeps_tied_weights_across_the_move(gaudi, monkeypatch):
+    trainer = hpu_trainer()
+    model = TiedModule()
+    model.trainer = trainer
+    trainer.strategy._lightning_module = model
+    monkeypatch.setattr(DeepSpeedStrategy, "setup", lambda self, trainer: None)
+    trainer.strategy.setup(trainer)
+    assert ("module.to", torch.device("hpu")) in gaudi.calls
+    assert model.lm.head.weight is model.lm.embed.weight
