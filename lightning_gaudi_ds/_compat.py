@@ -68,6 +68,8 @@ COPIED_DEEPSPEED_STRATEGY_METHODS: dict[str, str] = {
     "setup_distributed": "d8ce45e1f34e061c",  # without the CUDA device-index check, plus the JIT-op start-up
     "_initialize_deepspeed_train": "f2a07b4c1db8f7dd",  # the optimizer may come from the config or the module
     "_initialize_deepspeed_inference": "cb20fc28d95bf969",  # device_rank for CPU/HPU
+    "_setup_model_and_optimizer": "68c0cc65d009288f",  # device_rank for CPU/HPU
+    "_init_optimizers": "88dffe1d22e2a2fd",  # errors that say what to return; Habana's fused optimizers
 }
 
 

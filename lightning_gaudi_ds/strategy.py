@@ -287,6 +287,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         optimizer: Optimizer | None,
         lr_scheduler: Any | None = None,
     ) -> tuple[deepspeed.DeepSpeedEngine, Optimizer]:
+        # A copy of Lightning 2.6.6's DeepSpeedStrategy._setup_model_and_optimizer, with the device rank from
+        # _deepspeed_args (CPU and HPU devices have no index).
         import deepspeed
 
         engine, ds_optimizer, _, _ = deepspeed.initialize(
@@ -357,6 +359,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def _init_optimizers(self) -> tuple[Optimizer, LRSchedulerConfig | None]:
+        # A copy of Lightning 2.6.6's DeepSpeedStrategy._init_optimizers, with an error that names what was returned
+        # and the check for Habana's fused optimizers.
         assert self.lightning_module is not None
         optimizer, scheduler_config = train.single_optimizer(*_init_optimizers_and_lr_schedulers(self.lightning_module))
         offload = isinstance(self.config, dict) and offloads_optimizer(self.config)

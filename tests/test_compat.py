@@ -83,7 +83,7 @@ def test_deepspeed_strategy_attributes_exist() -> None:
 
 
 @pytest.mark.parametrize("name", ["setup_environment", "setup_distributed", "_initialize_deepspeed_train",
-                                  "_initialize_deepspeed_inference"])
+                                  "_initialize_deepspeed_inference", "_setup_model_and_optimizer", "_init_optimizers"])
 def test_copied_lightning_methods_unchanged(name: str) -> None:
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
