@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,10 @@ from typing import Mapping, Optional, Sequence
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+if str(REPO) not in sys.path:  # run as a script from benchmarks/: the package is in the checkout above
+    sys.path.insert(0, str(REPO))
+
+from lightning_gaudi_ds.launch._proc import free_port  # noqa: E402
 
 
 @dataclass
@@ -28,12 +31,6 @@ class JobResult:
     @property
     def ok(self) -> bool:
         return not self.timed_out and all(rc == 0 for rc in self.returncodes)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env(extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:

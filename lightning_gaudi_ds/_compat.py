@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 __all__ = [
     "COPIED_DEEPSPEED_STRATEGY_METHODS",
     "COPIED_FROM_LIGHTNING_VERSION",
+    "DEEPSPEED_LAUNCHER_ENV",
+    "DEEPSPEED_NODE_RANK_ENV",
     "DEEPSPEED_STRATEGY_ATTRIBUTES",
     "OVERRIDDEN_DEEPSPEED_STRATEGY_HOOKS",
     "_PATH",
@@ -168,3 +170,10 @@ def created_deepspeed_accelerator() -> str | None:
     module = sys.modules.get("deepspeed.accelerator.real_accelerator")
     accelerator = getattr(module, "ds_accelerator", None)
     return None if accelerator is None else str(accelerator._name)
+
+
+# ============================================================================ launching (lightning_gaudi_ds.launch)
+# Variables ``deepspeed.launcher.launch`` sets for every rank it starts. CROSS_RANK (its node rank) is not
+# documented: it comes from ``deepspeed.constants`` and is how DeepSpeedLauncherEnvironment tells the nodes apart.
+DEEPSPEED_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "CROSS_RANK")
+DEEPSPEED_NODE_RANK_ENV = "CROSS_RANK"

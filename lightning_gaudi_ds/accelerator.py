@@ -8,7 +8,7 @@ import torch
 from lightning.fabric.accelerators.registry import _AcceleratorRegistry
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.types import _DEVICE
-from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry
 from typing_extensions import override
 
 from lightning_gaudi_ds import hpu
@@ -94,3 +94,7 @@ class HPUAccelerator(Accelerator):
         accelerator_registry.register(
             cls.name(), cls, description="Intel Gaudi HPU (lightning_gaudi_ds)", override=True
         )
+
+
+# Defining the accelerator registers it, however this module was reached (see lightning_gaudi_ds/__init__.py).
+HPUAccelerator.register_accelerators(AcceleratorRegistry)

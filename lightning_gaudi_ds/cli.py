@@ -1,8 +1,9 @@
 """``lightning-gaudi-ds`` console script (also ``python -m lightning_gaudi_ds``).
 
-Subcommands live in the module that owns them; each exposes ``add_arguments(parser)`` and ``run(args) -> int``:
-``spawn`` (lightning_gaudi_ds.launch), ``convert`` (lightning_gaudi_ds.checkpoint), ``env``
-(lightning_gaudi_ds.report).
+Every sub-command is declared in :data:`COMMANDS`: its help line and the module that owns it, which exposes
+``add_arguments(parser)`` and ``run(args) -> int``. That module is imported only when its sub-command is parsed,
+so ``lightning-gaudi-ds --help`` and ``lightning-gaudi-ds spawn --help`` import neither torch nor DeepSpeed.
+Adding a sub-command is one entry.
 """
 
 from __future__ import annotations
@@ -10,34 +11,65 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
-SUBCOMMANDS = {
-    "spawn": ("lightning_gaudi_ds.launch", "launch a training script on N ranks (torchrun, DeepSpeed or MPI)"),
-    "convert": ("lightning_gaudi_ds.checkpoint", "convert a sharded ZeRO checkpoint to one fp32 state-dict file"),
-    "env": ("lightning_gaudi_ds.report", "print device, versions, built DeepSpeed ops and stale build locks"),
-    "plan": ("lightning_gaudi_ds.planning.command", "predicted memory per rank for ZeRO stages 0-3 and offload"),
+
+class Command(NamedTuple):
+    module: str
+    help: str
+
+
+COMMANDS: dict[str, Command] = {
+    "spawn": Command("lightning_gaudi_ds.launch.runner",
+                     "launch a training script on N ranks (torchrun, DeepSpeed or MPI)"),
+    "convert": Command("lightning_gaudi_ds.checkpoint",
+                       "convert a sharded ZeRO checkpoint to one fp32 state-dict file"),
+    "env": Command("lightning_gaudi_ds.report",
+                   "print device, versions, built DeepSpeed ops and stale build locks"),
+    "plan": Command("lightning_gaudi_ds.planning.command",
+                    "predicted memory per rank for ZeRO stages 0-3 and offload"),
 }
+
+
+class _SubcommandParser(argparse.ArgumentParser):
+    """A sub-command's parser that imports its module and declares its arguments only when first used."""
+
+    def __init__(self, *args: Any, module: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._module_name: Optional[str] = module or None
+
+    def _declare(self) -> None:
+        if self._module_name is not None:
+            module = importlib.import_module(self._module_name)
+            self._module_name = None
+            module.add_arguments(self)
+            self.set_defaults(_run=module.run)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._declare()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._declare()
+        return super().format_help()
+
+    def format_usage(self) -> str:
+        self._declare()
+        return super().format_usage()
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-gaudi-ds", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
-    for name, (module_name, help_text) in SUBCOMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            if err.name != module_name:
-                raise
-            continue  # a subcommand whose module is not part of this build (yet): the others still work
-        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
-        sub.choices[name].set_defaults(_module=module)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}",
+                                parser_class=_SubcommandParser)
+    for name, command in COMMANDS.items():
+        sub.add_parser(name, help=command.help, description=command.help, module=command.module)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args._module.run(args) or 0)
+    return int(args._run(args) or 0)
 
 
 if __name__ == "__main__":

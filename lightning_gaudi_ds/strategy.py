@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -65,7 +65,7 @@ from lightning_gaudi_ds.devices import (
     validate_precision,
 )
 from lightning_gaudi_ds.engine import train
-from lightning_gaudi_ds.environments import check_launcher_world_size, resolve_environment
+from lightning_gaudi_ds.launch.environments import check_launcher_world_size, resolve_environment
 from lightning_gaudi_ds.ops import prepare_startup
 
 if TYPE_CHECKING:
@@ -558,3 +558,8 @@ def _is_mean(reduce_op: Any) -> bool:
     if isinstance(reduce_op, str):
         return reduce_op.lower() in ("mean", "avg")
     return bool(reduce_op == torch.distributed.ReduceOp.AVG)
+
+
+# Defining the strategy registers its names, however this module was reached (lightning_gaudi_ds/__init__.py
+# imports it once Lightning is imported).
+HPUDeepSpeedStrategy.register_strategies(StrategyRegistry)

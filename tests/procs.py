@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
+
+from lightning_gaudi_ds.launch._proc import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = Path(__file__).resolve().parent / "jobs"
@@ -33,12 +34,6 @@ class JobResult:
         assert not self.timed_out, f"job timed out after {self.seconds:.0f}s; output tail:\n{self.output[-4000:]}"
         assert self.returncode == 0, f"job failed (rc={self.returncode}); output tail:\n{self.output[-4000:]}"
         return self
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_env(extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:

@@ -6,9 +6,13 @@ that breaks a touchpoint says which one. One section per area, matching _compat.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import io
+import sys
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -184,3 +188,44 @@ def test_created_deepspeed_accelerator() -> None:
         " (was DeepSpeed's HPU accelerator, which forces deterministic mode, created before the Trainer?)"
     )
     assert created_deepspeed_accelerator() == get_accelerator()._name
+
+
+# ============================================================================ launching (lightning_gaudi_ds.launch)
+def test_deepspeed_launcher_still_exports_rank_variables_and_cross_rank() -> None:
+    import deepspeed.constants
+    import deepspeed.launcher.launch as ds_launch
+
+    from lightning_gaudi_ds import _compat
+
+    source = inspect.getsource(ds_launch.main)
+    node_rank = _compat.DEEPSPEED_NODE_RANK_ENV
+    assert getattr(deepspeed.constants, "CROSS_RANK", None) == node_rank and "current_env[CROSS_RANK]" in source, (
+        f"{DEEPSPEED} changed deepspeed.launcher.launch: it no longer sets {node_rank} for its ranks, used by"
+        " launch/environments.py's DeepSpeedLauncherEnvironment.node_rank. Find the new variable and update"
+        " _compat.DEEPSPEED_NODE_RANK_ENV."
+    )
+    missing = [key for key in _compat.DEEPSPEED_LAUNCHER_ENV if key != node_rank and f'current_env["{key}"]' not in source]
+    assert not missing, (f"{DEEPSPEED} changed deepspeed.launcher.launch: it no longer sets {missing}, used by"
+                         " DeepSpeedLauncherEnvironment.detect() to recognise its ranks.")
+
+
+@pytest.mark.parametrize("case", ["one node", "hostfile, node_rank", "one-host hostfile"])
+def test_deepspeed_runner_accepts_the_flags_the_plan_passes(tmp_path: Path, case: str) -> None:
+    from deepspeed.launcher.runner import parse_args
+
+    from lightning_gaudi_ds.launch import plan
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("n0 slots=1\nn1 slots=1\n" if case == "hostfile, node_rank" else "localhost slots=2\n")
+    kwargs = {"one node": {"world_size": 2}, "hostfile, node_rank": {"hostfile": hostfile, "node_rank": 1},
+              "one-host hostfile": {"hostfile": hostfile}}[case]
+    spec = plan.resolve(use_deepspeed=True, **kwargs)
+    argv = plan.launch_argv(spec, ["t.py"], 29500, plan.Machine(sys.executable, "mpirun", False, 2))
+    flags = argv[4:argv.index(plan.SHIM)]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            parse_args(argv[4:])
+        except SystemExit:
+            pytest.fail(f"{DEEPSPEED} changed `python -m deepspeed.launcher.runner`: it refuses the flags"
+                        f" launch/plan.py passes for {case!r} ({' '.join(flags)}): {err.getvalue().strip()}")

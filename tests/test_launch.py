@@ -1,6 +1,6 @@
-"""Unit tests of the launcher: hostfile parsing, the commands each launcher gets, ports, the CLI, and how the
-strategy recognises externally launched processes. Only the runner and shim tests at the end start processes
-(tiny stdlib-only scripts); they are marked ``multiprocess``."""
+"""Tests of the launcher: hostfile parsing, the commands and environment each launcher gets, ports, the CLI, how
+the strategy recognises externally launched processes, and (marked ``multiprocess``) the runner and its rank shim
+with tiny stdlib-only scripts."""
 
 from __future__ import annotations
 
@@ -13,15 +13,23 @@ from pathlib import Path
 import pytest
 from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
 
-from lightning_gaudi_ds import launch
-from lightning_gaudi_ds.environments import (
+from lightning_gaudi_ds.launch import (
+    DistributedRunner,
+    HostfileError,
+    parse_hostfile,
+    parse_hostfile_text,
+    plan,
+)
+from lightning_gaudi_ds.launch import rank as rank_shim
+from lightning_gaudi_ds.launch import runner as runner_module
+from lightning_gaudi_ds.launch._proc import MPI_RANK_KEYS, MPI_SIZE_KEYS, port_in_use
+from lightning_gaudi_ds.launch.environments import (
     DeepSpeedLauncherEnvironment,
     check_launcher_world_size,
     resolve_environment,
 )
-from lightning_gaudi_ds.launch import DistributedRunner, HostfileError, parse_hostfile, parse_hostfile_text
 
-SHIM = str(Path(launch.__file__).resolve().with_name("_rank.py"))
+SHIM = str(Path(rank_shim.__file__).resolve())
 
 
 def write(tmp_path: Path, text: str, name: str = "hostfile") -> Path:
@@ -171,7 +179,7 @@ def test_mpirun_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     multi = DistributedRunner(["t.py"], hostfile=write(tmp_path, "a slots=2\nb slots=2\n"), use_mpi=True)
     cmd = multi.build_command(multi.commands[0])
     assert cmd[1:3] == ["-np", "4"] and cmd[cmd.index("--hostfile") + 1].endswith("hostfile")
-    monkeypatch.setattr(launch.shutil, "which", lambda name: None)
+    monkeypatch.setattr(runner_module.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="needs Open MPI's `mpirun` on PATH.*apt-get install openmpi-bin"):
         runner.run()
 
@@ -203,16 +211,34 @@ def test_runner_command_errors() -> None:
         DistributedRunner([["t.py", "--a"]])  # type: ignore[list-item]
 
 
+def test_plan_is_data_for_each_launcher(tmp_path: Path) -> None:
+    """The pure planner: the machine's facts come in as a value, so every branch is checked without mpirun."""
+    machine = plan.Machine(python="/py", mpirun="/opt/mpirun", as_root=True, cpus=1)
+    spec = plan.resolve(3, use_mpi=True, master_port=0)
+    argv = plan.launch_argv(spec, ["t.py"], 4242, machine)
+    assert argv[:6] == ["/opt/mpirun", "-np", "3", "--bind-to", "none", "--allow-run-as-root"]
+    assert "--oversubscribe" in argv and argv[-4:] == ["/py", "-u", plan.SHIM, "t.py"]
+    env = plan.launch_env(spec, {"PATH": "/bin", "OMPI_MCA_ess_singleton_isolated": "0"}, tmp_path, "tok", 4242,
+                          machine)
+    assert env["OMPI_ALLOW_RUN_AS_ROOT"] == "1" and env["OMPI_MCA_ess_singleton_isolated"] == "0"
+    assert (env["MASTER_PORT"], env[plan.RUN_ID_ENV], env["PATH"]) == ("4242", "tok", "/bin")
+    assert plan.launch_argv(plan.resolve(1), ["-m", "m"], 1, machine) == ["/py", "-u", plan.SHIM, "-m", "m"]
+    torchrun = plan.launch_env(plan.resolve(2), {}, tmp_path, "t", 1, machine)
+    assert torchrun["OMPI_MCA_ess_singleton_isolated"] == "1" and "OMPI_ALLOW_RUN_AS_ROOT" not in torchrun
+    assert [plan.resolve(**kw).launcher for kw in ({}, {"world_size": 2}, {"use_deepspeed": True},
+                                                   {"use_mpi": True})] == list(plan.LAUNCHERS)
+
+
 # --------------------------------------------------------------------------------------------------- ports
 def test_busy_port_is_replaced_by_a_free_one(capsys: pytest.CaptureFixture) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert launch.port_in_use(port) is True
+        assert port_in_use(port) is True
         runner = DistributedRunner(["t.py"], world_size=2, master_port=port)
         chosen = runner._choose_port()
-        assert chosen != port and launch.port_in_use(chosen) is False
+        assert chosen != port and port_in_use(chosen) is False
         assert f"master port {port} is in use on this host; using free port {chosen}" in capsys.readouterr().err
         assert DistributedRunner(["t.py"], master_port=0)._choose_port() > 0
 
@@ -231,7 +257,7 @@ def test_busy_port_on_a_multi_node_master_is_an_error(tmp_path: Path) -> None:
 
 
 def test_port_check_skips_addresses_of_other_hosts() -> None:
-    assert launch.port_in_use(29500, "192.0.2.1") is None  # TEST-NET-1: never an address of this host
+    assert port_in_use(29500, "192.0.2.1") is None  # TEST-NET-1: never an address of this host
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
@@ -262,10 +288,41 @@ def test_distributed_runner_is_exported() -> None:
     assert lightning_gaudi_ds.DistributedRunner is DistributedRunner
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["spawn", "--help"]], ids=["help", "spawn-help"])
+def test_cli_help_imports_neither_torch_nor_deepspeed(argv: list[str]) -> None:
+    """The console script's start-up: the package, the CLI and spawn's parser load without the heavy stack."""
+    import subprocess
+
+    code = ("import sys\nfrom lightning_gaudi_ds.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n"
+            "    pass\nheavy = sorted(m for m in ('torch', 'deepspeed', 'lightning') if m in sys.modules)\n"
+            "print('HEAVY', heavy)\n")
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert "usage: lightning-gaudi-ds" in done.stdout
+    assert "HEAVY []" in done.stdout, f"--help imported {done.stdout.split('HEAVY', 1)[1].strip()}; keep those" \
+        " imports inside the functions that need them (lightning_gaudi_ds/__init__.py, cli.py, launch/)"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("first", ["lightning_gaudi_ds", "lightning"])
+def test_strategy_names_are_registered_whichever_package_is_imported_first(first: str) -> None:
+    import subprocess
+
+    second = "lightning" if first == "lightning_gaudi_ds" else "lightning_gaudi_ds"
+    code = (f"import {first}, {second}\nfrom lightning.pytorch.strategies import StrategyRegistry\n"
+            "from lightning.pytorch.accelerators import AcceleratorRegistry\n"
+            "print('hpu_deepspeed_stage_3' in StrategyRegistry, 'hpu' in AcceleratorRegistry)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "True"]
+
+
 # ------------------------------------------------------------------------------ externally launched ranks
 LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "CROSS_RANK", "LOCAL_SIZE", "GROUP_RANK", "NODE_RANK",
-                 "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
-                 "PMI_SIZE", "PMIX_SIZE", "MASTER_ADDR", "MASTER_PORT")
+                 "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 *MPI_RANK_KEYS, *MPI_SIZE_KEYS)
 
 
 @pytest.fixture
@@ -342,6 +399,14 @@ def test_mpirun_without_mpi4py_refuses_to_spawn(launcher_env, monkeypatch: pytes
         resolve_environment(LightningEnvironment())
 
 
+@pytest.mark.parametrize("key", MPI_SIZE_KEYS)
+def test_every_mpi_world_size_variable_is_recognised(launcher_env, monkeypatch: pytest.MonkeyPatch, key: str) -> None:
+    launcher_env(**{key: 2})
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    with pytest.raises(RuntimeError, match=r"started by mpirun \(world size 2"):
+        resolve_environment(LightningEnvironment())
+
+
 def test_unlaunched_and_user_environments_are_left_alone(launcher_env) -> None:
     plain = LightningEnvironment()
     assert resolve_environment(plain) is plain
@@ -369,7 +434,7 @@ def test_shim_records_exit_and_output(tmp_path: Path) -> None:
 
     toy = script(tmp_path, "toy.py", "print('hello from', os.environ['RANK']); sys.exit(5)\n")
     run_dir = tmp_path / "run"
-    env = {**os.environ, "RANK": "3", launch.RUN_DIR_ENV: str(run_dir)}
+    env = {**os.environ, "RANK": "3", rank_shim.RUN_DIR_ENV: str(run_dir)}
     done = subprocess.run([sys.executable, SHIM, str(toy)], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 5 and "hello from 3" in done.stdout
     record = json.loads((run_dir / "rank3.json").read_text())
@@ -377,14 +442,14 @@ def test_shim_records_exit_and_output(tmp_path: Path) -> None:
     assert (run_dir / "rank3.log").read_text() == "hello from 3\n"
 
 
-def test_shim_runs_scripts_through_mpi4py_under_mpirun(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_gaudi_ds import _rank
-
-    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
-    assert _rank.python_command(["t.py"]) == [sys.executable, "-u", "t.py"]
-    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
-    monkeypatch.setattr(_rank.importlib.util, "find_spec", lambda name: object())
-    assert _rank.python_command(["t.py", "--a"]) == [sys.executable, "-u", "-m", "mpi4py", "t.py", "--a"]
+@pytest.mark.parametrize("key", MPI_RANK_KEYS)
+def test_shim_runs_scripts_through_mpi4py_under_mpirun(monkeypatch: pytest.MonkeyPatch, key: str) -> None:
+    for other in (*MPI_RANK_KEYS, *MPI_SIZE_KEYS):
+        monkeypatch.delenv(other, raising=False)
+    assert rank_shim.python_command(["t.py"]) == [sys.executable, "-u", "t.py"]
+    monkeypatch.setenv(key, "1")  # Open MPI 4.1 sets OMPI_COMM_WORLD_RANK and PMIX_RANK, never PMIX_SIZE
+    monkeypatch.setattr(rank_shim.importlib.util, "find_spec", lambda name: object())
+    assert rank_shim.python_command(["t.py", "--a"]) == [sys.executable, "-u", "-m", "mpi4py", "t.py", "--a"]
 
 
 @pytest.mark.multiprocess

@@ -1,7 +1,7 @@
 """Per-rank shim that :class:`~lightning_gaudi_ds.launch.DistributedRunner` puts between a launcher and the script.
 
-``python path/to/_rank.py script.py args...`` (or ``-m module args...``; run by path so that the package and
-its heavy imports are not loaded) runs the script as a child, copies its output to this process's stdout and to
+``python path/to/launch/rank.py script.py args...`` (or ``-m module args...``; run by path so that no rank imports
+the package once more; ``python -m lightning_gaudi_ds.launch.rank`` works too) runs the script as a child, copies its output to this process's stdout and to
 ``<run dir>/rank<R>.log``, and records what happened to it in ``<run dir>/rank<R>.json`` ("pid", "child_pid",
 "host", then "returncode"), so the runner learns which rank failed and how, whatever launcher sits in between.
 SIGTERM/SIGINT/SIGHUP are passed on to the script, and SIGKILL follows ``LIGHTNING_GAUDI_DS_STOP_TIMEOUT`` s
@@ -10,7 +10,7 @@ later; the script gets SIGKILL if this shim dies. Without ``LIGHTNING_GAUDI_DS_R
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import importlib.util
 import json
 import os
@@ -22,12 +22,15 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
+if __package__:
+    from lightning_gaudi_ds.launch._proc import MPI_RANK_KEYS, exit_code, signal_when_parent_dies
+else:  # run by path, as the launchers do: the sibling module, without importing the package
+    from _proc import MPI_RANK_KEYS, exit_code, signal_when_parent_dies  # type: ignore[no-redef]
+
 RUN_DIR_ENV = "LIGHTNING_GAUDI_DS_RUN_DIR"
 STOP_TIMEOUT_ENV = "LIGHTNING_GAUDI_DS_STOP_TIMEOUT"  # seconds from a forwarded signal to SIGKILL (default 10)
 # Global rank as each launcher announces it; the first one present wins.
-_RANK_KEYS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
-_MPI_KEYS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
-_PR_SET_PDEATHSIG = 1
+_RANK_KEYS = ("RANK", *MPI_RANK_KEYS)
 
 
 def global_rank_from_env() -> int:
@@ -45,22 +48,11 @@ def python_command(argv: list[str]) -> list[str]:
     connections open, and the peers block in their next collective: a job that never ends.
     """
     if not argv:
-        raise SystemExit("usage: python _rank.py (script.py | -m module) [args...]")
-    under_mpi = any(key in os.environ for key in _MPI_KEYS)
+        raise SystemExit("usage: python rank.py (script.py | -m module) [args...]")
+    under_mpi = any(key in os.environ for key in MPI_RANK_KEYS)
     if under_mpi and importlib.util.find_spec("mpi4py") is not None:
         return [sys.executable, "-u", "-m", "mpi4py", *argv]
     return [sys.executable, "-u", *argv]
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec: no Python-level locks
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-try:
-    _prctl: Optional[Any] = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
-except (OSError, AttributeError):
-    _prctl = None
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -108,7 +100,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with open(directory / f"rank{rank}.log", "ab") as log:
         child = subprocess.Popen(
             command, env=env, stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd,
-            preexec_fn=_die_with_parent, close_fds=True,
+            preexec_fn=functools.partial(signal_when_parent_dies, signal.SIGKILL), close_fds=True,
         )
         os.close(write_fd)
         record: dict[str, Any] = {
@@ -139,7 +131,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         pump.join(timeout=2.0)
     record["returncode"] = returncode
     _write_json(record_path, record)
-    return 128 - returncode if returncode < 0 else returncode
+    return exit_code(returncode)
 
 
 if __name__ == "__main__":

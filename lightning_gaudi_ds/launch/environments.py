@@ -21,12 +21,11 @@ from lightning.fabric.plugins.environments import (
 )
 from typing_extensions import override
 
+from lightning_gaudi_ds._compat import DEEPSPEED_LAUNCHER_ENV, DEEPSPEED_NODE_RANK_ENV
+from lightning_gaudi_ds.launch._proc import MPI_SIZE_KEYS
+
 log = logging.getLogger(__name__)
 
-# Set by deepspeed.launcher.launch for every rank it starts (CROSS_RANK is its node rank).
-_DEEPSPEED_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "CROSS_RANK")
-# World size as MPI implementations announce it to the processes mpirun starts.
-_MPI_SIZE_KEYS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
 # Processes per node, as each launcher announces it.
 _LOCAL_SIZE_KEYS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 
@@ -52,7 +51,7 @@ class DeepSpeedLauncherEnvironment(ClusterEnvironment):
     @staticmethod
     @override
     def detect() -> bool:
-        return all(key in os.environ for key in _DEEPSPEED_KEYS) and "TORCHELASTIC_RUN_ID" not in os.environ
+        return all(key in os.environ for key in DEEPSPEED_LAUNCHER_ENV) and "TORCHELASTIC_RUN_ID" not in os.environ
 
     @override
     def world_size(self) -> int:
@@ -76,7 +75,7 @@ class DeepSpeedLauncherEnvironment(ClusterEnvironment):
 
     @override
     def node_rank(self) -> int:
-        return int(os.environ.get("CROSS_RANK", 0))
+        return int(os.environ.get(DEEPSPEED_NODE_RANK_ENV, 0))
 
     @override
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
@@ -97,7 +96,7 @@ def launcher_name(env: ClusterEnvironment) -> str:
 
 
 def _mpi_world_size_from_env() -> Optional[int]:
-    for key in _MPI_SIZE_KEYS:
+    for key in MPI_SIZE_KEYS:
         if os.environ.get(key, "").isdigit():
             return int(os.environ[key])
     return None

@@ -1,0 +1,96 @@
+"""Small process helpers shared by the runner, the rank shim, the cluster environments, tests and benchmarks.
+
+Standard library only: the rank shim runs this file's directory as a script directory (it is started by path so
+that no rank imports the package, Lightning or DeepSpeed once more), and imports this module as a sibling.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import signal
+import socket
+import sys
+from typing import Any, Optional
+
+PREFIX = "lightning-gaudi-ds:"
+
+# How MPI launchers announce a process's global rank and the world size: Open MPI (OMPI_COMM_WORLD_*), MPICH and
+# Intel MPI (PMI_*), MVAPICH2 (MV2_*). A PMIx server (Open MPI 4+, Slurm's --mpi=pmix) exports PMIX_RANK but no
+# size variable: processes ask PMIx for the size (checked with Open MPI 4.1's mpirun).
+MPI_RANK_KEYS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
+MPI_SIZE_KEYS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def say(message: str) -> None:
+    """One line on stderr, prefixed with the command's name."""
+    sys.stderr.write(f"{PREFIX} {message}\n")
+    sys.stderr.flush()
+
+
+def exit_code(returncode: int) -> int:
+    """A process's status as a shell reports it: 128+N for a process killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_exit(returncode: int) -> str:
+    """``exit code 3``, ``signal SIGKILL`` or ``exit code 137 (signal SIGKILL)``."""
+    if returncode < 0:
+        return f"signal {signal.Signals(-returncode).name}"
+    if returncode > 128 and returncode - 128 in signal.valid_signals():
+        return f"exit code {returncode} (signal {signal.Signals(returncode - 128).name})"
+    return f"exit code {returncode}"
+
+
+def free_port() -> int:
+    """A TCP port that is free on every interface of this host right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int, address: str = "") -> Optional[bool]:
+    """True if ``port`` is taken on this host, False if free, None if ``address`` is not one of this host's."""
+    families = [(socket.AF_INET, address or "0.0.0.0")]
+    if not address and socket.has_ipv6:
+        families.append((socket.AF_INET6, "::"))
+    for family, host in families:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT does not count
+                s.bind((host, port))
+        except socket.gaierror:
+            return None
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                return True
+            if err.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                if family == socket.AF_INET:
+                    return None
+                continue
+            raise
+    return False
+
+
+def is_local_address(address: str) -> bool:
+    """Whether ``address`` names this host (binding works only on this host's addresses)."""
+    if address in ("127.0.0.1", "localhost", "0.0.0.0", "::1", socket.gethostname()):
+        return True
+    return port_in_use(0, address) is not None
+
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+try:
+    _prctl: Optional[Any] = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+except (OSError, AttributeError):
+    _prctl = None
+
+
+def signal_when_parent_dies(sig: int) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies (Linux; elsewhere nothing).
+
+    Meant as ``preexec_fn``: it runs in the child between fork and exec, where only async-signal-safe work is
+    allowed, so it makes one C call and takes no Python-level lock.
+    """
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)

@@ -1,0 +1,182 @@
+"""What a launch runs, as data: checked arguments in, then the argv and the environment for each launcher.
+
+Four launchers: ``python`` (one process; Lightning's own launcher may start more), ``torchrun``
+(``python -m torch.distributed.run``), ``deepspeed`` (``python -m deepspeed.launcher.runner``) and ``mpirun``
+(Open MPI). Nothing here starts a process or probes a port: :mod:`~lightning_gaudi_ds.launch.runner` picks the
+port and :mod:`~lightning_gaudi_ds.launch.supervise` runs the plan. Every rank runs under the rank shim
+(:mod:`~lightning_gaudi_ds.launch.rank`), started by path so that no rank imports this package once more.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional, Sequence, Union
+
+from lightning_gaudi_ds.launch.hostfile import Host, parse_hostfile
+from lightning_gaudi_ds.launch.rank import RUN_DIR_ENV, STOP_TIMEOUT_ENV
+
+RUN_ID_ENV = "LIGHTNING_GAUDI_DS_RUN_ID"  # the job's token: how the supervisor finds every process of the job
+SHIM = str(Path(__file__).resolve().with_name("rank.py"))
+LAUNCHERS = ("python", "torchrun", "deepspeed", "mpirun")
+# Exported by mpirun to every node: Open MPI passes only the variables named with -x to remote ranks.
+_MPI_EXPORTS = ("MASTER_ADDR", "MASTER_PORT", RUN_DIR_ENV, RUN_ID_ENV, STOP_TIMEOUT_ENV, "PYTHONPATH",
+                "PYTHONUNBUFFERED", "PATH")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Checked launch arguments; :func:`resolve` makes one. See :class:`DistributedRunner` for their meaning."""
+
+    launcher: str
+    world_size: int
+    master_addr: str
+    master_port: int
+    stop_timeout: float = 10.0
+    hostfile: Optional[Path] = None
+    hosts: Optional[tuple[Host, ...]] = None
+    node_rank: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a launch command depends on from the machine that starts it."""
+
+    python: str
+    mpirun: str
+    as_root: bool
+    cpus: int
+
+    @classmethod
+    def this(cls) -> "Machine":
+        return cls(sys.executable, shutil.which("mpirun") or "mpirun", hasattr(os, "geteuid") and os.geteuid() == 0,
+                   os.cpu_count() or 1)
+
+
+def split_command(command: str) -> list[str]:
+    """``"train.py --lr 0.1"`` -> argv, split with shlex (never a shell); a leading interpreter is dropped."""
+    if not isinstance(command, str):
+        raise TypeError(f"command {command!r}: pass each command as one string, e.g. 'train.py --lr 0.1'.")
+    argv = shlex.split(command)
+    if not argv:
+        raise ValueError("an empty command: pass 'script.py args...' or '-m module args...'.")
+    if argv[0] == sys.executable or re.fullmatch(r"python[0-9.]*", Path(argv[0]).name):
+        argv = argv[1:]  # the launcher supplies the interpreter
+    return argv
+
+
+def resolve(
+    world_size: int = 1,
+    hostfile: Optional[Union[str, os.PathLike]] = None,
+    use_mpi: bool = False,
+    use_deepspeed: bool = False,
+    master_port: int = 29500,
+    master_addr: Optional[str] = None,
+    node_rank: Optional[int] = None,
+    stop_timeout: float = 10.0,
+) -> LaunchSpec:
+    """Check the arguments together (reading the hostfile) and pick the launcher; ``ValueError`` says what to fix."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: pass the number of ranks, a whole number >= 1.")
+    if use_mpi and use_deepspeed:
+        raise ValueError("use_mpi=True and use_deepspeed=True: pick one launcher (or neither for torchrun).")
+    if isinstance(master_port, bool) or not (isinstance(master_port, int) and 0 <= master_port < 65536):
+        raise ValueError(f"master_port={master_port!r}: pass a TCP port between 1 and 65535 (0: any free port).")
+    path = Path(hostfile).resolve() if hostfile is not None else None
+    hosts = tuple(parse_hostfile(path)) if path is not None else None
+    world_size = _world_size(world_size, path, hosts, node_rank, use_mpi, use_deepspeed)
+    if use_mpi:
+        launcher = "mpirun"
+    elif use_deepspeed:
+        launcher = "deepspeed"
+    else:
+        launcher = "python" if world_size == 1 and hosts is None else "torchrun"
+    address = master_addr or (hosts[0].name if hosts and len(hosts) > 1 else "127.0.0.1")
+    return LaunchSpec(launcher, world_size, address, master_port, stop_timeout, path, hosts, node_rank)
+
+
+def _world_size(world_size: int, hostfile: Optional[Path], hosts: Optional[tuple[Host, ...]],
+                node_rank: Optional[int], use_mpi: bool, use_deepspeed: bool) -> int:
+    if hosts is None:
+        if node_rank is not None:
+            raise ValueError(f"node_rank={node_rank} needs a hostfile listing every node; pass hostfile=.")
+        return world_size
+    total = sum(h.slots for h in hosts)
+    slots = ", ".join(f"{h.name}={h.slots}" for h in hosts)
+    if world_size not in (1, total):
+        raise ValueError(f"world_size={world_size} but hostfile {hostfile} has {total} slots ({slots}). Pass"
+                         f" world_size={total}, or edit the hostfile's slots to the ranks you want.")
+    if node_rank is not None:
+        if not 0 <= node_rank < len(hosts):
+            raise ValueError(f"node_rank={node_rank}: the hostfile lists {len(hosts)} nodes; pass 0..{len(hosts) - 1}.")
+        if use_mpi:
+            raise ValueError("node_rank with use_mpi: mpirun starts every node itself; drop node_rank.")
+        if not use_deepspeed and len({h.slots for h in hosts}) > 1:
+            raise ValueError(f"torchrun starts the same number of ranks on every node, but the hostfile's slots differ"
+                             f" ({slots}). Make them equal or use use_deepspeed=True.")
+    elif not (use_mpi or use_deepspeed):
+        raise ValueError(
+            f"hostfile={str(hostfile)!r} with torchrun: torchrun starts the ranks of one node. Run the same command"
+            " on each node with node_rank=I (CLI: --node_rank I), or launch every node from here with"
+            " use_deepspeed=True or use_mpi=True."
+        )
+    return total
+
+
+def launch_argv(spec: LaunchSpec, user: Sequence[str], port: int, machine: Machine) -> list[str]:
+    """The argv that starts ``user`` (script or ``-m module``, and its arguments) on every rank of ``spec``."""
+    py, shim, user = machine.python, [SHIM], list(user)
+    if spec.launcher == "mpirun":
+        cmd = [machine.mpirun, "-np", str(spec.world_size), "--bind-to", "none"]
+        if machine.as_root:
+            cmd.append("--allow-run-as-root")
+        if spec.hosts is not None:
+            cmd += ["--hostfile", str(spec.hostfile)]
+        elif spec.world_size > machine.cpus:
+            cmd.append("--oversubscribe")
+        for key in _MPI_EXPORTS:
+            cmd += ["-x", key]
+        return [*cmd, py, "-u", *shim, *user]
+    if spec.launcher == "deepspeed":
+        cmd = [py, "-u", "-m", "deepspeed.launcher.runner", "--master_addr", spec.master_addr, "--master_port",
+               str(port), "--no_local_rank"]
+        if spec.hosts is None:
+            cmd += ["--num_nodes", "1", "--num_gpus", str(spec.world_size)]
+        else:
+            cmd += ["--hostfile", str(spec.hostfile)]
+            if spec.node_rank is not None:
+                cmd += ["--no_ssh", "--node_rank", str(spec.node_rank)]
+            elif len(spec.hosts) == 1:
+                cmd += ["--no_ssh_check"]  # one host: DeepSpeed launches locally, ssh is never used
+        return [*cmd, *shim, *user]
+    if spec.launcher == "python":
+        return [py, "-u", *shim, *user]
+    if spec.hosts is not None and spec.node_rank is not None:
+        nnodes, per_node, node_rank = len(spec.hosts), spec.hosts[spec.node_rank].slots, spec.node_rank
+    else:
+        nnodes, per_node, node_rank = 1, spec.world_size, 0
+    return [py, "-u", "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc_per_node", str(per_node),
+            "--node_rank", str(node_rank), "--master_addr", spec.master_addr, "--master_port", str(port),
+            "--max_restarts", "0", "--monitor_interval", "0.5", *shim, *user]
+
+
+def launch_env(spec: LaunchSpec, base: Mapping[str, str], run_dir: Path, token: str, port: int,
+               machine: Machine) -> dict[str, str]:
+    """``base`` (the runner's environment) plus what the launcher and the rank shims need."""
+    env = dict(base)
+    env.update({RUN_DIR_ENV: str(run_dir), RUN_ID_ENV: token, "MASTER_ADDR": spec.master_addr,
+                "MASTER_PORT": str(port), STOP_TIMEOUT_ENV: str(spec.stop_timeout)})
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("PYTHONPATH", "")
+    if spec.launcher == "mpirun":
+        if machine.as_root:
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    else:
+        # Lightning probes MPI in every rank (mpi4py's MPI_Init); without this Open MPI starts a daemon each.
+        env.setdefault("OMPI_MCA_ess_singleton_isolated", "1")
+    return env

@@ -1,0 +1,204 @@
+"""Launch a training script on N ranks: torchrun, DeepSpeed's launcher, mpirun, or plain python for one.
+
+``lightning-gaudi-ds spawn --world_size 2 --use_deepspeed train.py --lr 0.1`` or, from code,
+``DistributedRunner(["train.py --lr 0.1"], world_size=2, use_deepspeed=True).run()``.
+
+:class:`DistributedRunner` checks its arguments at once (:mod:`~lightning_gaudi_ds.launch.plan`), picks the
+rendezvous port when a command starts, and hands the plan to :mod:`~lightning_gaudi_ds.launch.supervise`, which
+owns every process of the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+from lightning_gaudi_ds.launch import plan
+from lightning_gaudi_ds.launch._proc import free_port, is_local_address, port_in_use, say
+from lightning_gaudi_ds.launch.hostfile import Host
+from lightning_gaudi_ds.launch.supervise import Supervisor
+
+__all__ = ["DistributedRunner"]
+
+
+class DistributedRunner:
+    """Run each command of ``command_list`` on ``world_size`` ranks; ``run()`` returns the first non-zero exit code.
+
+    Args:
+        command_list: commands, each ``"script.py args..."`` (or ``"-m module args..."``); split with shlex,
+            never run through a shell; run one after another, stopping at the first failure.
+        world_size: ranks in all. 1 runs plain python (Lightning's own launcher may still start ``devices``
+            processes). With a hostfile: 1 or the sum of its slots.
+        hostfile: DeepSpeed's format (``host slots=N``); needs ``use_deepspeed`` or ``use_mpi``, or ``node_rank``.
+        use_mpi: launch with Open MPI's ``mpirun``.
+        use_deepspeed: launch with DeepSpeed's launcher (``--no_local_rank``: scripts read ``LOCAL_RANK``).
+            Neither: torchrun (``python -m torch.distributed.run``).
+        master_port: rendezvous port; 0 picks a free one. When this runner tells every rank the port and it is
+            taken on this host, a free port is used instead (and printed).
+        master_addr: rendezvous address; default 127.0.0.1, or the first host of the hostfile.
+        node_rank: start only this node's ranks of a hostfile job (torchrun ``--node_rank``, DeepSpeed
+            ``--no_ssh --node_rank``): run the same command on every node with its own node_rank.
+        log_dir: keep per-rank logs in a new subdirectory of this per run and command; default a temporary
+            directory, removed after success.
+        stop_timeout: seconds between SIGTERM and SIGKILL when stopping the job.
+        timeout: stop the job after this many seconds (exit code 124); None waits forever.
+        tail_lines: lines of a failed rank's output to print.
+    """
+
+    def __init__(
+        self,
+        command_list: Union[str, Sequence[str]],
+        world_size: int = 1,
+        hostfile: Optional[Union[str, os.PathLike]] = None,
+        use_mpi: bool = False,
+        use_deepspeed: bool = False,
+        master_port: int = 29500,
+        master_addr: Optional[str] = None,
+        node_rank: Optional[int] = None,
+        log_dir: Optional[Union[str, os.PathLike]] = None,
+        stop_timeout: float = 10.0,
+        timeout: Optional[float] = None,
+        tail_lines: int = 20,
+    ) -> None:
+        self.command_list = [command_list] if isinstance(command_list, str) else list(command_list)
+        self.commands = [plan.split_command(c) for c in self.command_list]
+        self.spec = plan.resolve(world_size, hostfile, use_mpi, use_deepspeed, master_port, master_addr, node_rank,
+                                 stop_timeout)
+        self.use_mpi, self.use_deepspeed = use_mpi, use_deepspeed
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.timeout = timeout
+        self.tail_lines = tail_lines
+
+    # The checked arguments, under the names they had as constructor arguments.
+    @property
+    def launcher(self) -> str:
+        """``"python"``, ``"torchrun"``, ``"deepspeed"`` or ``"mpirun"``."""
+        return self.spec.launcher
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    @property
+    def hostfile(self) -> Optional[Path]:
+        return self.spec.hostfile
+
+    @property
+    def hosts(self) -> Optional[list[Host]]:
+        return list(self.spec.hosts) if self.spec.hosts is not None else None
+
+    @property
+    def node_rank(self) -> Optional[int]:
+        return self.spec.node_rank
+
+    @property
+    def master_addr(self) -> str:
+        return self.spec.master_addr
+
+    @property
+    def master_port(self) -> int:
+        return self.spec.master_port
+
+    @property
+    def stop_timeout(self) -> float:
+        return self.spec.stop_timeout
+
+    def build_command(self, command: Union[str, Sequence[str]], master_port: Optional[int] = None) -> list[str]:
+        """The argv that launches ``command`` on every rank (no shell involved)."""
+        user = plan.split_command(command) if isinstance(command, str) else list(command)
+        return plan.launch_argv(self.spec, user, master_port or self.master_port, plan.Machine.this())
+
+    def _environment(self, run_dir: Path, token: str, port: int) -> dict[str, str]:
+        return plan.launch_env(self.spec, os.environ, run_dir, token, port, plan.Machine.this())
+
+    def _check_launcher_installed(self) -> None:
+        if self.use_mpi and shutil.which("mpirun") is None:
+            raise RuntimeError("use_mpi=True (--use_mpi) needs Open MPI's `mpirun` on PATH. Install it with"
+                               " `apt-get install openmpi-bin libopenmpi-dev` and `pip install mpi4py`"
+                               " (or run `bash scripts/setup.sh`).")
+
+    def _choose_port(self) -> int:
+        if self.node_rank not in (None, 0):
+            return self.master_port  # node 0 owns the rendezvous port
+        if self.master_port == 0:
+            if self.node_rank == 0:
+                raise ValueError("master_port=0 (any free port) with node_rank: every node must be told the same"
+                                 " port; pass one explicitly.")
+            return free_port()
+        busy = port_in_use(self.master_port, "" if is_local_address(self.master_addr) else self.master_addr)
+        if not busy:
+            return self.master_port
+        if self.node_rank == 0:
+            raise RuntimeError(
+                f"master_port={self.master_port} is already in use on this host ({self.master_addr}), and the other"
+                " nodes will look for it there. Pass a free port (--master_port) to every node."
+            )
+        port = free_port()
+        say(f"master port {self.master_port} is in use on this host; using free port {port} instead"
+            " (pass --master_port to choose one).")
+        return port
+
+    def run(self) -> int:
+        """Run every command; return the first non-zero exit code (128+N for a rank killed by signal N), else 0."""
+        self._check_launcher_installed()
+        for index, argv in enumerate(self.commands):
+            code = self._run_one(argv, index)
+            if code != 0:
+                return code
+        return 0
+
+    def _run_one(self, user: list[str], index: int) -> int:
+        token = uuid.uuid4().hex
+        if self.log_dir is not None:  # a fresh directory per run: records of an earlier run must not be read
+            run_dir = self.log_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{token[:6]}-cmd{index}"
+            run_dir.mkdir(parents=True)
+            keep = True
+        else:
+            run_dir, keep = Path(tempfile.mkdtemp(prefix="lgds-run-")), False
+        port = self._choose_port()
+        argv = self.build_command(user, port)
+        say(f"{self.launcher}, world size {self.world_size}: {shlex.join(argv)}")
+        supervisor = Supervisor(self.stop_timeout, self.timeout, self.tail_lines)
+        return supervisor.run(argv, self._environment(run_dir, token, port), run_dir, token, keep)
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``spawn``: the launcher's flags, then the script and its own arguments."""
+    parser.add_argument("--world_size", type=int, default=1, help="ranks in all (default 1: plain python)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--use_deepspeed", action="store_true", help="launch with DeepSpeed's launcher")
+    which.add_argument("--use_mpi", action="store_true", help="launch with Open MPI's mpirun")
+    parser.add_argument("--hostfile", default=None, help="DeepSpeed-format hostfile: one `host slots=N` per line")
+    parser.add_argument("--node_rank", type=int, default=None,
+                        help="with --hostfile: start only this node's ranks (run once per node)")
+    parser.add_argument("--master_addr", default=None, help="rendezvous address (default 127.0.0.1 / first host)")
+    parser.add_argument("--master_port", type=int, default=29500, help="rendezvous port (default 29500; 0: any free)")
+    parser.add_argument("--log_dir", default=None, help="keep per-rank logs here (default: a temporary directory)")
+    parser.add_argument("--stop_timeout", type=float, default=10.0,
+                        help="seconds between SIGTERM and SIGKILL when stopping ranks (default 10)")
+    parser.add_argument("-m", "--module", action="store_true", help="the script is a module name (python -m)")
+    parser.add_argument("training_script", help="the script to run on every rank")
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``spawn``: build a :class:`DistributedRunner` from the parsed arguments and run it."""
+    argv = (["-m"] if args.module else []) + [args.training_script, *args.training_script_args]
+    try:
+        runner = DistributedRunner(
+            [shlex.join(argv)], world_size=args.world_size, hostfile=args.hostfile, use_mpi=args.use_mpi,
+            use_deepspeed=args.use_deepspeed, master_port=args.master_port, master_addr=args.master_addr,
+            node_rank=args.node_rank, log_dir=args.log_dir, stop_timeout=args.stop_timeout,
+        )
+        return runner.run()
+    except (ValueError, RuntimeError) as err:
+        say(f"error: {err}")
+        return 2

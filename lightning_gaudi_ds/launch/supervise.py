@@ -1,0 +1,294 @@
+"""Run a launch plan and own what it starts: watch the ranks, stop the job, say how it ended.
+
+The launcher runs in a session of its own and gets SIGTERM if the supervisor dies; every rank runs under the
+rank shim (:mod:`~lightning_gaudi_ds.launch.rank`), which keeps its output in ``<run dir>/rank<R>.log`` and
+records its exit status in ``rank<R>.json``. When one rank fails (non-zero exit, or killed) every process of the
+job is stopped (SIGTERM, then SIGKILL after ``stop_timeout`` s), and the failed rank is named with its last lines.
+SIGINT/SIGTERM/SIGHUP to the supervisor stop the job the same way. Processes are found by the job's token in
+their environment, so ranks that a launcher moved to their own session are stopped too.
+"""
+
+from __future__ import annotations
+
+import codecs
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Optional, Sequence
+
+import psutil
+
+from lightning_gaudi_ds.launch._proc import describe_exit, exit_code, say, signal_when_parent_dies
+from lightning_gaudi_ds.launch.plan import RUN_ID_ENV
+
+
+@dataclass
+class Failure:
+    """The first thing that went wrong: the rank (None: the job as a whole), its exit code, how, and its log."""
+
+    rank: Optional[int]
+    returncode: int
+    how: str
+    log: Optional[Path]
+
+
+@dataclass
+class Stopped:
+    """What stopping the job took: the processes found, the seconds, and how many needed SIGKILL."""
+
+    pids: list[int]
+    seconds: float = 0.0
+    killed: int = 0
+
+
+class Supervisor:
+    """Runs one job to its end and reports it; ``run()`` returns the job's exit code.
+
+    Args:
+        stop_timeout: seconds between SIGTERM and SIGKILL when stopping the job.
+        timeout: stop the job after this many seconds (exit code 124); None waits forever.
+        tail_lines: lines of a failed rank's output to print.
+    """
+
+    def __init__(self, stop_timeout: float = 10.0, timeout: Optional[float] = None, tail_lines: int = 20) -> None:
+        self.stop_timeout = stop_timeout
+        self.timeout = timeout
+        self.tail_lines = tail_lines
+        self._stop_signal: Optional[int] = None
+
+    def run(self, argv: Sequence[str], env: dict[str, str], run_dir: Path, token: str, keep_logs: bool) -> int:
+        """Start ``argv`` (the launcher) and supervise it until every process of the job has ended.
+
+        Returns 0, the failed rank's exit code (128+N for signal N), 124 on time-out, or 128+N for signal N to the
+        supervisor. ``run_dir`` is removed after success unless ``keep_logs``.
+        """
+        start = time.monotonic()
+        with _SignalTrap(self):
+            launcher = subprocess.Popen(
+                list(argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                start_new_session=True,
+                # preexec_fn is unsafe once other threads exist, and the kernel sends the parent-death signal when
+                # the forking thread (not the process) ends: ask for it only while this is the only thread.
+                preexec_fn=(functools.partial(signal_when_parent_dies, signal.SIGTERM)
+                            if threading.active_count() == 1 else None),
+            )
+            relay = _Relay(launcher.stdout, run_dir / "launcher.log")
+            failure, code = None, 1
+            try:
+                failure, code = self._watch(launcher, run_dir, start)
+            finally:
+                stopped = self._stop(launcher, token, clean_exit=failure is None and code == 0)
+                relay.join()
+        elapsed = time.monotonic() - start
+        if failure is not None:
+            self._report(failure, stopped, elapsed)
+            code = failure.returncode
+        elif code != 0:
+            self._say_stopped(stopped)
+        elif stopped.pids:
+            say(f"{len(stopped.pids)} process(es) of the job outlived the launcher and were stopped: {stopped.pids}")
+        if code == 0 and not keep_logs:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        elif code != 0:
+            say(f"per-rank logs: {run_dir}")
+        return code
+
+    def _watch(self, launcher: subprocess.Popen, run_dir: Path, start: float) -> tuple[Optional[Failure], int]:
+        ranks = _RankTable(run_dir)
+        while True:
+            if self._stop_signal is not None:
+                sig = self._stop_signal
+                say(f"received {signal.Signals(sig).name}: stopping every rank.")
+                return None, 128 + sig
+            failure = ranks.first_failure()
+            if failure is not None:
+                return failure, failure.returncode
+            code = launcher.poll()
+            if code is not None:
+                failure = ranks.first_failure()  # the shims wrote their records before exiting
+                if failure is None and code != 0:
+                    failure = Failure(None, exit_code(code), f"the launcher exited with {describe_exit(code)}",
+                                      run_dir / "launcher.log")
+                return failure, 0 if failure is None else failure.returncode
+            if self.timeout is not None and time.monotonic() - start > self.timeout:
+                return Failure(None, 124, f"the job ran past timeout={self.timeout:g} s", None), 124
+            time.sleep(0.1)
+
+    def _stop(self, launcher: subprocess.Popen, token: str, clean_exit: bool) -> Stopped:
+        """End every process of the job: SIGTERM, then SIGKILL after ``stop_timeout`` s.
+
+        The ranks go first; the launcher gets a moment to notice and exit by itself (mpirun can crash when
+        signalled while its ranks exit) before it is signalled too. After a clean exit, leftovers first get
+        ``stop_timeout`` s to finish on their own.
+        """
+        if clean_exit:
+            deadline = time.monotonic() + self.stop_timeout
+            while _job_processes(launcher, token) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        start = time.monotonic()
+        procs = _job_processes(launcher, token)
+        for p in procs:
+            if p.pid != launcher.pid:
+                _signal(p, signal.SIGTERM)
+        _, alive = psutil.wait_procs(procs, timeout=min(2.0, self.stop_timeout))
+        for p in alive:
+            if p.pid == launcher.pid:
+                _signal(p, signal.SIGTERM)
+        _, alive = psutil.wait_procs(alive, timeout=max(0.0, self.stop_timeout - (time.monotonic() - start)))
+        alive += [p for p in _job_processes(launcher, token) if p not in alive]  # started during the wait
+        for p in alive:
+            _signal(p, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=5)
+        launcher.wait()
+        return Stopped(sorted(p.pid for p in procs), time.monotonic() - start, len(alive))
+
+    def _report(self, failure: Failure, stopped: Stopped, elapsed: float) -> None:
+        who = f"rank {failure.rank}" if failure.rank is not None else "the job"
+        say(f"{who} failed: {failure.how} (after {elapsed:.1f} s).")
+        if failure.log is not None and failure.log.exists():
+            lines = _tail(failure.log, self.tail_lines)
+            say(f"last {len(lines)} lines of {who} ({failure.log}):")
+            sys.stderr.write("".join(f"  | {line}\n" for line in lines))
+        self._say_stopped(stopped)
+
+    def _say_stopped(self, stopped: Stopped) -> None:
+        if stopped.pids:
+            say(f"stopped {len(stopped.pids)} process(es) of the job in {stopped.seconds:.1f} s"
+                f" ({stopped.killed} needed SIGKILL after {self.stop_timeout:g} s).")
+
+
+class _RankTable:
+    """What the shims recorded under the run directory, and whether each rank is still alive."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.procs: dict[int, Optional[psutil.Process]] = {}
+
+    def first_failure(self) -> Optional[Failure]:
+        failures = []
+        for path in self.run_dir.glob("rank*.json"):
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            rank = int(record["rank"])
+            log = self.run_dir / f"rank{rank}.log"
+            if "returncode" in record:
+                code = int(record["returncode"])
+                if code != 0:
+                    failures.append((path.stat().st_mtime, Failure(rank, exit_code(code),
+                                     f"exited with {describe_exit(code)} (pid {record['child_pid']} on"
+                                     f" {record['host']})", log)))
+                continue
+            if rank not in self.procs:
+                try:
+                    self.procs[rank] = psutil.Process(int(record["pid"]))
+                except psutil.NoSuchProcess:
+                    self.procs[rank] = None
+            proc = self.procs[rank]
+            if not _alive(proc) and "returncode" not in json.loads(path.read_text()):
+                failures.append((time.time(), Failure(rank, 128 + signal.SIGKILL,
+                                 f"its process (pid {record['pid']}) vanished without an exit status: killed", log)))
+        if not failures:
+            return None
+        return min(failures, key=lambda item: item[0])[1]
+
+
+def _alive(proc: Optional[psutil.Process]) -> bool:
+    try:
+        return proc is not None and proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _job_processes(launcher: subprocess.Popen, token: str) -> list[psutil.Process]:
+    """The launcher, its descendants, and every process carrying the job's token in its environment."""
+    found: dict[int, psutil.Process] = {}
+    try:
+        root = psutil.Process(launcher.pid)
+        for p in [root, *root.children(recursive=True)]:
+            found[p.pid] = p
+    except psutil.NoSuchProcess:
+        pass
+    me = os.getpid()
+    for p in psutil.process_iter():
+        if p.pid in found or p.pid == me:
+            continue
+        try:
+            if p.environ().get(RUN_ID_ENV) == token:
+                found[p.pid] = p
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+    return [p for p in found.values() if _alive(p) and not (p.pid == launcher.pid and launcher.poll() is not None)]
+
+
+def _signal(proc: psutil.Process, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass
+
+
+def _tail(path: Path, lines: int) -> list[str]:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - 64 * 1024))
+        text = f.read().decode("utf-8", errors="replace")
+    return [line.rstrip("\r") for line in text.splitlines()[-lines:]]
+
+
+class _Relay(threading.Thread):
+    """Copies the launcher's output to our stdout and to a file."""
+
+    def __init__(self, stream: Optional[IO[bytes]], path: Path) -> None:
+        super().__init__(daemon=True)
+        self.stream, self.path = stream, path
+        self.start()
+
+    def run(self) -> None:
+        assert self.stream is not None
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        with open(self.path, "ab") as log:
+            for chunk in iter(lambda: self.stream.read1(65536), b""):  # type: ignore[union-attr]
+                log.write(chunk)
+                log.flush()
+                try:
+                    sys.stdout.write(decoder.decode(chunk))
+                    sys.stdout.flush()
+                except (OSError, ValueError):
+                    pass
+
+    def join(self, timeout: Optional[float] = 5.0) -> None:
+        super().join(timeout)
+
+
+class _SignalTrap:
+    """While a job runs (main thread only): SIGINT/SIGTERM/SIGHUP ask the supervisor to stop it instead of dying."""
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "_SignalTrap":
+        self.supervisor._stop_signal = None
+        if threading.current_thread() is threading.main_thread():
+            for sig in self._SIGNALS:
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.supervisor._stop_signal = signum
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
