@@ -361,7 +361,7 @@ def make_trainer(devices: int, num_nodes: int = 1):
 def test_deepspeed_launcher_second_node_gets_its_own_ranks(launcher_env) -> None:
     """Lightning's fallback environment would call this process global rank 0 (node rank 0): a duplicate rank."""
     launcher_env(**deepspeed_node(rank=2, local_rank=0, world=4, node=1, per_node=2))
-    assert LightningEnvironment().node_rank() == 0  # the bug this guards against
+    assert LightningEnvironment().node_rank() == 0  # Lightning's fallback: node rank 0 on every node
     trainer = make_trainer(devices=2, num_nodes=2)
     env = trainer.strategy.cluster_environment
     assert isinstance(env, DeepSpeedLauncherEnvironment) and env.creates_processes_externally

@@ -14,6 +14,9 @@ import sys
 from typing import Any, Optional
 
 PREFIX = "lightning-gaudi-ds:"
+# Set by the runner for the rank shims: where they keep logs and exit records, and their SIGTERM -> SIGKILL grace.
+RUN_DIR_ENV = "LIGHTNING_GAUDI_DS_RUN_DIR"
+STOP_TIMEOUT_ENV = "LIGHTNING_GAUDI_DS_STOP_TIMEOUT"
 
 # How MPI launchers announce a process's global rank and the world size: Open MPI (OMPI_COMM_WORLD_*), MPICH and
 # Intel MPI (PMI_*), MVAPICH2 (MV2_*). A PMIx server (Open MPI 4+, Slurm's --mpi=pmix) exports PMIX_RANK but no

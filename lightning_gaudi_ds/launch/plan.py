@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence, Union
 
+from lightning_gaudi_ds.launch._proc import RUN_DIR_ENV, STOP_TIMEOUT_ENV
 from lightning_gaudi_ds.launch.hostfile import Host, parse_hostfile
-from lightning_gaudi_ds.launch.rank import RUN_DIR_ENV, STOP_TIMEOUT_ENV
 
 RUN_ID_ENV = "LIGHTNING_GAUDI_DS_RUN_ID"  # the job's token: how the supervisor finds every process of the job
 SHIM = str(Path(__file__).resolve().with_name("rank.py"))

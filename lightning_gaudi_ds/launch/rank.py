@@ -23,12 +23,23 @@ from pathlib import Path
 from typing import Any, Optional
 
 if __package__:
-    from lightning_gaudi_ds.launch._proc import MPI_RANK_KEYS, exit_code, signal_when_parent_dies
+    from lightning_gaudi_ds.launch._proc import (
+        MPI_RANK_KEYS,
+        RUN_DIR_ENV,
+        STOP_TIMEOUT_ENV,
+        exit_code,
+        signal_when_parent_dies,
+    )
 else:  # run by path, as the launchers do: the sibling module, without importing the package
-    from _proc import MPI_RANK_KEYS, exit_code, signal_when_parent_dies  # type: ignore[no-redef]
+    from _proc import (  # type: ignore[no-redef]
+        MPI_RANK_KEYS,
+        RUN_DIR_ENV,
+        STOP_TIMEOUT_ENV,
+        exit_code,
+        signal_when_parent_dies,
+    )
 
-RUN_DIR_ENV = "LIGHTNING_GAUDI_DS_RUN_DIR"
-STOP_TIMEOUT_ENV = "LIGHTNING_GAUDI_DS_STOP_TIMEOUT"  # seconds from a forwarded signal to SIGKILL (default 10)
+__all__ = ["RUN_DIR_ENV", "STOP_TIMEOUT_ENV", "global_rank_from_env", "main", "python_command"]
 # Global rank as each launcher announces it; the first one present wins.
 _RANK_KEYS = ("RANK", *MPI_RANK_KEYS)
 
