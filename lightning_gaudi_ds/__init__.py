@@ -17,9 +17,10 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_gaudi_ds.accelerator import HPUAccelerator
@@ -96,8 +97,8 @@ class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
     """Finds nothing itself: makes the next import of ``lightning`` call :func:`_register` once it completes."""
 
     def find_spec(
-        self, fullname: str, path: Optional[Sequence[str]] = None, target: Optional[ModuleType] = None
-    ) -> Optional[importlib.machinery.ModuleSpec]:
+        self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname != "lightning":
             return None
         sys.meta_path.remove(self)

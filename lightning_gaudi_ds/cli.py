@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Any, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 
 class Command(NamedTuple):
@@ -36,7 +37,7 @@ class _SubcommandParser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, module: str = "", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._module_name: Optional[str] = module or None
+        self._module_name: str | None = module or None
 
     def _declare(self) -> None:
         if self._module_name is not None:
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return int(args._run(args) or 0)
 

@@ -204,7 +204,8 @@ def test_deepspeed_launcher_still_exports_rank_variables_and_cross_rank() -> Non
         " launch/environments.py's DeepSpeedLauncherEnvironment.node_rank. Find the new variable and update"
         " _compat.DEEPSPEED_NODE_RANK_ENV."
     )
-    missing = [key for key in _compat.DEEPSPEED_LAUNCHER_ENV if key != node_rank and f'current_env["{key}"]' not in source]
+    missing = [key for key in _compat.DEEPSPEED_LAUNCHER_ENV
+               if key != node_rank and f'current_env["{key}"]' not in source]
     assert not missing, (f"{DEEPSPEED} changed deepspeed.launcher.launch: it no longer sets {missing}, used by"
                          " DeepSpeedLauncherEnvironment.detect() to recognise its ranks.")
 

@@ -5,7 +5,6 @@ with tiny stdlib-only scripts."""
 from __future__ import annotations
 
 import os
-import shlex
 import socket
 import sys
 from pathlib import Path

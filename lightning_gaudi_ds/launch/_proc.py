@@ -11,7 +11,7 @@ import errno
 import signal
 import socket
 import sys
-from typing import Any, Optional
+from typing import Any
 
 PREFIX = "lightning-gaudi-ds:"
 # Set by the runner for the rank shims: where they keep logs and exit records, and their SIGTERM -> SIGKILL grace.
@@ -52,7 +52,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def port_in_use(port: int, address: str = "") -> Optional[bool]:
+def port_in_use(port: int, address: str = "") -> bool | None:
     """True if ``port`` is taken on this host, False if free, None if ``address`` is not one of this host's."""
     families = [(socket.AF_INET, address or "0.0.0.0")]
     if not address and socket.has_ipv6:
@@ -84,7 +84,7 @@ def is_local_address(address: str) -> bool:
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 try:
-    _prctl: Optional[Any] = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+    _prctl: Any | None = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 except (OSError, AttributeError):
     _prctl = None
 

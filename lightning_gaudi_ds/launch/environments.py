@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
 
 from lightning.fabric.plugins.environments import (
     ClusterEnvironment,
@@ -95,14 +94,14 @@ def launcher_name(env: ClusterEnvironment) -> str:
     return type(env).__name__
 
 
-def _mpi_world_size_from_env() -> Optional[int]:
+def _mpi_world_size_from_env() -> int | None:
     for key in MPI_SIZE_KEYS:
         if os.environ.get(key, "").isdigit():
             return int(os.environ[key])
     return None
 
 
-def resolve_environment(env: Optional[ClusterEnvironment]) -> Optional[ClusterEnvironment]:
+def resolve_environment(env: ClusterEnvironment | None) -> ClusterEnvironment | None:
     """The environment to use instead of Lightning's fallback, or ``env`` unchanged.
 
     Replaces a plain ``LightningEnvironment`` (never one the user passed in a subclass) when DeepSpeed's
@@ -130,7 +129,7 @@ def resolve_environment(env: Optional[ClusterEnvironment]) -> Optional[ClusterEn
     return env
 
 
-def launcher_world_size(env: ClusterEnvironment) -> Optional[int]:
+def launcher_world_size(env: ClusterEnvironment) -> int | None:
     """The number of processes the external launcher started, or None when unknown or not launched externally."""
     if not env.creates_processes_externally:
         return None
@@ -142,7 +141,7 @@ def launcher_world_size(env: ClusterEnvironment) -> Optional[int]:
     return None  # SLURM, LSF, Kubeflow, ...: Lightning validates those itself
 
 
-def launcher_local_world_size() -> Optional[tuple[str, int]]:
+def launcher_local_world_size() -> tuple[str, int] | None:
     """(variable, value) of the launcher's processes-per-node announcement, if any."""
     for key in _LOCAL_SIZE_KEYS:
         if os.environ.get(key, "").isdigit():
@@ -150,7 +149,7 @@ def launcher_local_world_size() -> Optional[tuple[str, int]]:
     return None
 
 
-def check_launcher_world_size(env: Optional[ClusterEnvironment], devices: int, num_nodes: int) -> None:
+def check_launcher_world_size(env: ClusterEnvironment | None, devices: int, num_nodes: int) -> None:
     """Raise before training when the launcher's process count disagrees with ``devices`` × ``num_nodes``."""
     if env is None:
         return

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
 
 __all__ = ["Host", "HostfileError", "parse_hostfile", "parse_hostfile_text"]
 
@@ -53,7 +52,7 @@ def parse_hostfile_text(text: str, source: str = "<hostfile>") -> list[Host]:
     return hosts
 
 
-def parse_hostfile(path: Union[str, os.PathLike]) -> list[Host]:
+def parse_hostfile(path: str | os.PathLike) -> list[Host]:
     """Read and parse a hostfile; :class:`HostfileError` names the file and line of anything wrong."""
     try:
         text = Path(path).read_text()

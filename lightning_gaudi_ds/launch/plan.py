@@ -14,9 +14,9 @@ import re
 import shlex
 import shutil
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional, Sequence, Union
 
 from lightning_gaudi_ds.launch._proc import RUN_DIR_ENV, STOP_TIMEOUT_ENV
 from lightning_gaudi_ds.launch.hostfile import Host, parse_hostfile
@@ -38,9 +38,9 @@ class LaunchSpec:
     master_addr: str
     master_port: int
     stop_timeout: float = 10.0
-    hostfile: Optional[Path] = None
-    hosts: Optional[tuple[Host, ...]] = None
-    node_rank: Optional[int] = None
+    hostfile: Path | None = None
+    hosts: tuple[Host, ...] | None = None
+    node_rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Machine:
     cpus: int
 
     @classmethod
-    def this(cls) -> "Machine":
+    def this(cls) -> Machine:
         return cls(sys.executable, shutil.which("mpirun") or "mpirun", hasattr(os, "geteuid") and os.geteuid() == 0,
                    os.cpu_count() or 1)
 
@@ -72,12 +72,12 @@ def split_command(command: str) -> list[str]:
 
 def resolve(
     world_size: int = 1,
-    hostfile: Optional[Union[str, os.PathLike]] = None,
+    hostfile: str | os.PathLike | None = None,
     use_mpi: bool = False,
     use_deepspeed: bool = False,
     master_port: int = 29500,
-    master_addr: Optional[str] = None,
-    node_rank: Optional[int] = None,
+    master_addr: str | None = None,
+    node_rank: int | None = None,
     stop_timeout: float = 10.0,
 ) -> LaunchSpec:
     """Check the arguments together (reading the hostfile) and pick the launcher; ``ValueError`` says what to fix."""
@@ -100,8 +100,8 @@ def resolve(
     return LaunchSpec(launcher, world_size, address, master_port, stop_timeout, path, hosts, node_rank)
 
 
-def _world_size(world_size: int, hostfile: Optional[Path], hosts: Optional[tuple[Host, ...]],
-                node_rank: Optional[int], use_mpi: bool, use_deepspeed: bool) -> int:
+def _world_size(world_size: int, hostfile: Path | None, hosts: tuple[Host, ...] | None,
+                node_rank: int | None, use_mpi: bool, use_deepspeed: bool) -> int:
     if hosts is None:
         if node_rank is not None:
             raise ValueError(f"node_rank={node_rank} needs a hostfile listing every node; pass hostfile=.")

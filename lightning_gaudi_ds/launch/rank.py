@@ -1,11 +1,12 @@
 """Per-rank shim that :class:`~lightning_gaudi_ds.launch.DistributedRunner` puts between a launcher and the script.
 
 ``python path/to/launch/rank.py script.py args...`` (or ``-m module args...``; run by path so that no rank imports
-the package once more; ``python -m lightning_gaudi_ds.launch.rank`` works too) runs the script as a child, copies its output to this process's stdout and to
-``<run dir>/rank<R>.log``, and records what happened to it in ``<run dir>/rank<R>.json`` ("pid", "child_pid",
-"host", then "returncode"), so the runner learns which rank failed and how, whatever launcher sits in between.
-SIGTERM/SIGINT/SIGHUP are passed on to the script, and SIGKILL follows ``LIGHTNING_GAUDI_DS_STOP_TIMEOUT`` s
-later; the script gets SIGKILL if this shim dies. Without ``LIGHTNING_GAUDI_DS_RUN_DIR`` it becomes the script.
+the package once more; ``python -m lightning_gaudi_ds.launch.rank`` works too) runs the script as a child, copies
+its output to this process's stdout and to ``<run dir>/rank<R>.log``, and records what happened to it in
+``<run dir>/rank<R>.json`` ("pid", "child_pid", "host", then "returncode"), so the runner learns which rank failed
+and how, whatever launcher sits in between. SIGTERM/SIGINT/SIGHUP are passed on to the script, and SIGKILL follows
+``LIGHTNING_GAUDI_DS_STOP_TIMEOUT`` s later; the script gets SIGKILL if this shim dies. Without
+``LIGHTNING_GAUDI_DS_RUN_DIR`` it becomes the script.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 if __package__:
     from lightning_gaudi_ds.launch._proc import (
@@ -31,7 +32,7 @@ if __package__:
         signal_when_parent_dies,
     )
 else:  # run by path, as the launchers do: the sibling module, without importing the package
-    from _proc import (  # type: ignore[no-redef]
+    from _proc import (  # type: ignore[no-redef,import-not-found]
         MPI_RANK_KEYS,
         RUN_DIR_ENV,
         STOP_TIMEOUT_ENV,
@@ -93,7 +94,7 @@ def _pump(src: int, log: Any) -> None:
             pass
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:
         argv = argv[1:]

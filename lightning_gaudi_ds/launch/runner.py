@@ -17,8 +17,8 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence, Union
 
 from lightning_gaudi_ds.launch import plan
 from lightning_gaudi_ds.launch._proc import free_port, is_local_address, port_in_use, say
@@ -54,17 +54,17 @@ class DistributedRunner:
 
     def __init__(
         self,
-        command_list: Union[str, Sequence[str]],
+        command_list: str | Sequence[str],
         world_size: int = 1,
-        hostfile: Optional[Union[str, os.PathLike]] = None,
+        hostfile: str | os.PathLike | None = None,
         use_mpi: bool = False,
         use_deepspeed: bool = False,
         master_port: int = 29500,
-        master_addr: Optional[str] = None,
-        node_rank: Optional[int] = None,
-        log_dir: Optional[Union[str, os.PathLike]] = None,
+        master_addr: str | None = None,
+        node_rank: int | None = None,
+        log_dir: str | os.PathLike | None = None,
         stop_timeout: float = 10.0,
-        timeout: Optional[float] = None,
+        timeout: float | None = None,
         tail_lines: int = 20,
     ) -> None:
         self.command_list = [command_list] if isinstance(command_list, str) else list(command_list)
@@ -87,15 +87,15 @@ class DistributedRunner:
         return self.spec.world_size
 
     @property
-    def hostfile(self) -> Optional[Path]:
+    def hostfile(self) -> Path | None:
         return self.spec.hostfile
 
     @property
-    def hosts(self) -> Optional[list[Host]]:
+    def hosts(self) -> list[Host] | None:
         return list(self.spec.hosts) if self.spec.hosts is not None else None
 
     @property
-    def node_rank(self) -> Optional[int]:
+    def node_rank(self) -> int | None:
         return self.spec.node_rank
 
     @property
@@ -110,7 +110,7 @@ class DistributedRunner:
     def stop_timeout(self) -> float:
         return self.spec.stop_timeout
 
-    def build_command(self, command: Union[str, Sequence[str]], master_port: Optional[int] = None) -> list[str]:
+    def build_command(self, command: str | Sequence[str], master_port: int | None = None) -> list[str]:
         """The argv that launches ``command`` on every rank (no shell involved)."""
         user = plan.split_command(command) if isinstance(command, str) else list(command)
         return plan.launch_argv(self.spec, user, master_port or self.master_port, plan.Machine.this())

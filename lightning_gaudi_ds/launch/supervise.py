@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import io
 import json
 import os
 import shutil
@@ -20,9 +21,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Optional, Sequence
+from typing import IO, Any, cast
 
 import psutil
 
@@ -34,10 +36,10 @@ from lightning_gaudi_ds.launch.plan import RUN_ID_ENV
 class Failure:
     """The first thing that went wrong: the rank (None: the job as a whole), its exit code, how, and its log."""
 
-    rank: Optional[int]
+    rank: int | None
     returncode: int
     how: str
-    log: Optional[Path]
+    log: Path | None
 
 
 @dataclass
@@ -58,11 +60,11 @@ class Supervisor:
         tail_lines: lines of a failed rank's output to print.
     """
 
-    def __init__(self, stop_timeout: float = 10.0, timeout: Optional[float] = None, tail_lines: int = 20) -> None:
+    def __init__(self, stop_timeout: float = 10.0, timeout: float | None = None, tail_lines: int = 20) -> None:
         self.stop_timeout = stop_timeout
         self.timeout = timeout
         self.tail_lines = tail_lines
-        self._stop_signal: Optional[int] = None
+        self._stop_signal: int | None = None
 
     def run(self, argv: Sequence[str], env: dict[str, str], run_dir: Path, token: str, keep_logs: bool) -> int:
         """Start ``argv`` (the launcher) and supervise it until every process of the job has ended.
@@ -101,7 +103,7 @@ class Supervisor:
             say(f"per-rank logs: {run_dir}")
         return code
 
-    def _watch(self, launcher: subprocess.Popen, run_dir: Path, start: float) -> tuple[Optional[Failure], int]:
+    def _watch(self, launcher: subprocess.Popen, run_dir: Path, start: float) -> tuple[Failure | None, int]:
         ranks = _RankTable(run_dir)
         while True:
             if self._stop_signal is not None:
@@ -170,9 +172,9 @@ class _RankTable:
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
-        self.procs: dict[int, Optional[psutil.Process]] = {}
+        self.procs: dict[int, psutil.Process | None] = {}
 
-    def first_failure(self) -> Optional[Failure]:
+    def first_failure(self) -> Failure | None:
         failures = []
         for path in self.run_dir.glob("rank*.json"):
             try:
@@ -202,7 +204,7 @@ class _RankTable:
         return min(failures, key=lambda item: item[0])[1]
 
 
-def _alive(proc: Optional[psutil.Process]) -> bool:
+def _alive(proc: psutil.Process | None) -> bool:
     try:
         return proc is not None and proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
@@ -248,16 +250,16 @@ def _tail(path: Path, lines: int) -> list[str]:
 class _Relay(threading.Thread):
     """Copies the launcher's output to our stdout and to a file."""
 
-    def __init__(self, stream: Optional[IO[bytes]], path: Path) -> None:
+    def __init__(self, stream: IO[bytes] | None, path: Path) -> None:
         super().__init__(daemon=True)
         self.stream, self.path = stream, path
         self.start()
 
     def run(self) -> None:
-        assert self.stream is not None
+        stream = cast(io.BufferedReader, self.stream)  # Popen(stdout=PIPE): read1 returns what has arrived
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         with open(self.path, "ab") as log:
-            for chunk in iter(lambda: self.stream.read1(65536), b""):  # type: ignore[union-attr]
+            for chunk in iter(lambda: stream.read1(65536), b""):
                 log.write(chunk)
                 log.flush()
                 try:
@@ -266,7 +268,7 @@ class _Relay(threading.Thread):
                 except (OSError, ValueError):
                     pass
 
-    def join(self, timeout: Optional[float] = 5.0) -> None:
+    def join(self, timeout: float | None = 5.0) -> None:
         super().join(timeout)
 
 
@@ -279,7 +281,7 @@ class _SignalTrap:
         self.supervisor = supervisor
         self.previous: dict[int, Any] = {}
 
-    def __enter__(self) -> "_SignalTrap":
+    def __enter__(self) -> _SignalTrap:
         self.supervisor._stop_signal = None
         if threading.current_thread() is threading.main_thread():
             for sig in self._SIGNALS:
