@@ -1,9 +1,9 @@
 """Everything asked of the Intel Gaudi software stack, in one place.
 
-``habana_frameworks`` is imported inside each function, never at module level, so this module imports on any
-machine. Tests replace ``habana_frameworks`` with a double (``tests/hpu_double.py``) that behaves like the real
-import: the execution mode is fixed at the first import, hccl's module-level set-up rewrites the rank variables,
-and DeepSpeed finds the HPU accelerator by itself.
+``habana_frameworks`` (and torch) are imported inside the functions that need them, so this module imports on
+any machine, and the launcher can use it without importing torch. Tests replace ``habana_frameworks`` with a
+double (``tests/hpu_double.py``) that behaves like the real import: the execution mode is fixed at the first
+import, hccl's module-level set-up rewrites the rank variables, and DeepSpeed finds the HPU accelerator by itself.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
-
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +196,8 @@ def disable_uninitialized_memory_fill() -> None:
     Upstream DeepSpeed's HPU accelerator does this as a workaround (the fill breaks the bridge's memory mapping);
     the Gaudi fork does not, and both turn deterministic mode on.
     """
+    import torch  # here: the launcher imports this module without torch
+
     torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
 
 

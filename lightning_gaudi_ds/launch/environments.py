@@ -26,6 +26,8 @@ from lightning_gaudi_ds.launch._proc import MPI_SIZE_KEYS
 log = logging.getLogger(__name__)
 
 # Processes per node, as each launcher announces it.
+# Processes on this node, as MPI implementations announce it (Open MPI, MPICH/Intel MPI).
+_MPI_LOCAL_SIZE_KEYS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 _LOCAL_SIZE_KEYS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 
 
@@ -101,6 +103,20 @@ def _mpi_world_size_from_env() -> int | None:
     return None
 
 
+def _without_mpi_ranks_lightning_can_use(mpi_size: int) -> bool:
+    """Whether Lightning's fallback environment would get this mpirun job wrong.
+
+    Without LOCAL_RANK every rank would start processes of its own. habana_frameworks copies Open MPI's
+    OMPI_COMM_WORLD_{LOCAL_RANK,RANK,SIZE} into LOCAL_RANK/RANK/WORLD_SIZE when it is imported (before Lightning
+    picks an environment), which is enough on one node; across nodes the fallback computes global ranks with node
+    rank 0, so nodes would share ranks and wait for each other forever.
+    """
+    if "LOCAL_RANK" not in os.environ:
+        return True
+    local = next((int(os.environ[k]) for k in _MPI_LOCAL_SIZE_KEYS if os.environ.get(k, "").isdigit()), None)
+    return local is not None and local < mpi_size
+
+
 def resolve_environment(env: ClusterEnvironment | None) -> ClusterEnvironment | None:
     """The environment to use instead of Lightning's fallback, or ``env`` unchanged.
 
@@ -113,18 +129,22 @@ def resolve_environment(env: ClusterEnvironment | None) -> ClusterEnvironment | 
     if DeepSpeedLauncherEnvironment.detect():
         return DeepSpeedLauncherEnvironment()
     mpi_size = _mpi_world_size_from_env()
-    if mpi_size is not None and mpi_size > 1 and "LOCAL_RANK" not in os.environ:
+    if mpi_size is not None and mpi_size > 1 and _without_mpi_ranks_lightning_can_use(mpi_size):
         try:
             from mpi4py import MPI  # noqa: F401
 
             reason = "mpi4py imports, but MPI reported a world size of 1 (is it built against another MPI?)"
         except ImportError as err:
             reason = f"mpi4py cannot be imported ({err})"
+        consequence = (
+            "every rank would start its own processes" if "LOCAL_RANK" not in os.environ else
+            "the ranks of different nodes would get the same global ranks (LOCAL_RANK, copied from Open MPI by"
+            " habana_frameworks, is not enough across nodes) and wait for each other forever"
+        )
         raise RuntimeError(
             f"This process was started by mpirun (world size {mpi_size} from the environment), but Lightning"
             f" did not detect MPI: {reason}. Install mpi4py for the MPI that mpirun belongs to"
-            " (`pip install mpi4py`, or `bash scripts/setup.sh`); without it every rank would start its own"
-            " processes."
+            f" (`pip install mpi4py`, or `bash scripts/setup.sh`); without it {consequence}."
         )
     return env
 

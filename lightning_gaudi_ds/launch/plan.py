@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from lightning_gaudi_ds import hpu
 from lightning_gaudi_ds.launch._proc import RUN_DIR_ENV, STOP_TIMEOUT_ENV
 from lightning_gaudi_ds.launch.hostfile import Host, parse_hostfile
 
@@ -27,6 +28,10 @@ LAUNCHERS = ("python", "torchrun", "deepspeed", "mpirun")
 # Exported by mpirun to every node: Open MPI passes only the variables named with -x to remote ranks.
 _MPI_EXPORTS = ("MASTER_ADDR", "MASTER_PORT", RUN_DIR_ENV, RUN_ID_ENV, STOP_TIMEOUT_ENV, "PYTHONPATH",
                 "PYTHONUNBUFFERED", "PATH")
+# DeepSpeed's ssh/pdsh launch passes to other nodes only a few prefixes and the lines of its env file, whose name
+# DS_ENV_FILE sets; a Gaudi job writes its own (with the user's lines first) in the run directory.
+DEEPSPEED_ENV_FILE = "DS_ENV_FILE"
+DEEPSPEED_ENV_NAME = "deepspeed_env"
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,7 @@ class LaunchSpec:
     hostfile: Path | None = None
     hosts: tuple[Host, ...] | None = None
     node_rank: int | None = None
+    hpu_mode: hpu.Mode | None = None
 
 
 @dataclass(frozen=True)
@@ -51,11 +57,17 @@ class Machine:
     mpirun: str
     as_root: bool
     cpus: int
+    gaudi: bool = False  # the Gaudi software stack is installed
+    physical_cores: int | None = None
+    gaudi_env: tuple[str, ...] = ()  # the Gaudi variables set in this shell, which remote ranks need
 
     @classmethod
     def this(cls) -> Machine:
+        import psutil
+
         return cls(sys.executable, shutil.which("mpirun") or "mpirun", hasattr(os, "geteuid") and os.geteuid() == 0,
-                   os.cpu_count() or 1)
+                   os.cpu_count() or 1, hpu.habana_frameworks_installed(), psutil.cpu_count(logical=False),
+                   tuple(hpu.mpirun_forward_names(os.environ)))
 
 
 def split_command(command: str) -> list[str]:
@@ -79,8 +91,12 @@ def resolve(
     master_addr: str | None = None,
     node_rank: int | None = None,
     stop_timeout: float = 10.0,
+    hpu_mode: hpu.Mode | None = None,
 ) -> LaunchSpec:
     """Check the arguments together (reading the hostfile) and pick the launcher; ``ValueError`` says what to fix."""
+    if hpu_mode not in (None, "eager", "lazy"):
+        raise ValueError(f"hpu_mode={hpu_mode!r}: pass 'eager' (torch.compile, Habana's default) or 'lazy' (legacy"
+                         " mark_step mode), or leave it unset to use PT_HPU_LAZY_MODE (unset: eager).")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: pass the number of ranks, a whole number >= 1.")
     if use_mpi and use_deepspeed:
@@ -97,7 +113,7 @@ def resolve(
     else:
         launcher = "python" if world_size == 1 and hosts is None else "torchrun"
     address = master_addr or (hosts[0].name if hosts and len(hosts) > 1 else "127.0.0.1")
-    return LaunchSpec(launcher, world_size, address, master_port, stop_timeout, path, hosts, node_rank)
+    return LaunchSpec(launcher, world_size, address, master_port, stop_timeout, path, hosts, node_rank, hpu_mode)
 
 
 def _world_size(world_size: int, hostfile: Path | None, hosts: tuple[Host, ...] | None,
@@ -132,14 +148,23 @@ def launch_argv(spec: LaunchSpec, user: Sequence[str], port: int, machine: Machi
     """The argv that starts ``user`` (script or ``-m module``, and its arguments) on every rank of ``spec``."""
     py, shim, user = machine.python, [SHIM], list(user)
     if spec.launcher == "mpirun":
-        cmd = [machine.mpirun, "-np", str(spec.world_size), "--bind-to", "none"]
+        cmd = [machine.mpirun, "-np", str(spec.world_size)]
+        exports = list(_MPI_EXPORTS)
+        if _gaudi(spec, machine):
+            # Habana's launchers pin each rank to its share of the cores; remote ranks need the mode and the
+            # Gaudi settings of this shell.
+            per_node = max(h.slots for h in spec.hosts) if spec.hosts else spec.world_size
+            cmd += hpu.mpirun_binding(per_node, machine.physical_cores)
+            exports += [key for key in [hpu.LAZY_MODE_ENV, *machine.gaudi_env] if key not in exports]
+        else:
+            cmd += ["--bind-to", "none"]
         if machine.as_root:
             cmd.append("--allow-run-as-root")
         if spec.hosts is not None:
             cmd += ["--hostfile", str(spec.hostfile)]
         elif spec.world_size > machine.cpus:
             cmd.append("--oversubscribe")
-        for key in _MPI_EXPORTS:
+        for key in exports:
             cmd += ["-x", key]
         return [*cmd, py, "-u", *shim, *user]
     if spec.launcher == "deepspeed":
@@ -179,4 +204,20 @@ def launch_env(spec: LaunchSpec, base: Mapping[str, str], run_dir: Path, token: 
     else:
         # Lightning probes MPI in every rank (mpi4py's MPI_Init); without this Open MPI starts a daemon each.
         env.setdefault("OMPI_MCA_ess_singleton_isolated", "1")
+    if _gaudi(spec, machine):
+        # habana_frameworks picks its mode at import in each rank: every rank gets it spelled out.
+        env.update(hpu.mode_env(spec.hpu_mode or hpu.mode_from_env(base)))
+        if spec.launcher == "deepspeed" and spec.hosts is not None and len(spec.hosts) > 1 and spec.node_rank is None:
+            env[DEEPSPEED_ENV_FILE] = str(run_dir / DEEPSPEED_ENV_NAME)
     return env
+
+
+def _gaudi(spec: LaunchSpec, machine: Machine) -> bool:
+    return machine.gaudi or spec.hpu_mode is not None
+
+
+def deepspeed_env_text(env: Mapping[str, str], user_lines: str = "") -> str:
+    """DeepSpeed's env file for a multi-node Gaudi launch: the user's own lines, then the Gaudi variables of ``env``."""
+    names = hpu.mpirun_forward_names(env)
+    ours = "".join(f"{key}={env[key]}\n" for key in names)
+    return (user_lines if not user_lines or user_lines.endswith("\n") else user_lines + "\n") + ours

@@ -50,6 +50,9 @@ class DistributedRunner:
         stop_timeout: seconds between SIGTERM and SIGKILL when stopping the job.
         timeout: stop the job after this many seconds (exit code 124); None waits forever.
         tail_lines: lines of a failed rank's output to print.
+        hpu_mode: on Gaudi, the execution mode every rank imports ``habana_frameworks`` in: ``"eager"``
+            (torch.compile, Habana's default) or ``"lazy"``; default ``PT_HPU_LAZY_MODE`` (unset: eager). Exported
+            to every rank (``-x`` for mpirun, DeepSpeed's env file for its multi-node launch).
     """
 
     def __init__(
@@ -66,11 +69,12 @@ class DistributedRunner:
         stop_timeout: float = 10.0,
         timeout: float | None = None,
         tail_lines: int = 20,
+        hpu_mode: str | None = None,
     ) -> None:
         self.command_list = [command_list] if isinstance(command_list, str) else list(command_list)
         self.commands = [plan.split_command(c) for c in self.command_list]
         self.spec = plan.resolve(world_size, hostfile, use_mpi, use_deepspeed, master_port, master_addr, node_rank,
-                                 stop_timeout)
+                                 stop_timeout, hpu_mode)  # type: ignore[arg-type]  # resolve checks the value
         self.use_mpi, self.use_deepspeed = use_mpi, use_deepspeed
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.timeout = timeout
@@ -116,7 +120,14 @@ class DistributedRunner:
         return plan.launch_argv(self.spec, user, master_port or self.master_port, plan.Machine.this())
 
     def _environment(self, run_dir: Path, token: str, port: int) -> dict[str, str]:
-        return plan.launch_env(self.spec, os.environ, run_dir, token, port, plan.Machine.this())
+        env = plan.launch_env(self.spec, os.environ, run_dir, token, port, plan.Machine.this())
+        if env.get(plan.DEEPSPEED_ENV_FILE) == str(run_dir / plan.DEEPSPEED_ENV_NAME):
+            # Our file replaces the name DeepSpeed reads in ~ and in the working directory: keep the user's lines.
+            name = os.environ.get(plan.DEEPSPEED_ENV_FILE, ".deepspeed_env")
+            user = [Path(d, name) for d in (Path.home(), Path.cwd())]
+            lines = "".join(p.read_text() for p in user if p.is_file())
+            (run_dir / plan.DEEPSPEED_ENV_NAME).write_text(plan.deepspeed_env_text(env, lines))
+        return env
 
     def _check_launcher_installed(self) -> None:
         if self.use_mpi and shutil.which("mpirun") is None:
@@ -184,6 +195,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log_dir", default=None, help="keep per-rank logs here (default: a temporary directory)")
     parser.add_argument("--stop_timeout", type=float, default=10.0,
                         help="seconds between SIGTERM and SIGKILL when stopping ranks (default 10)")
+    parser.add_argument("--hpu_mode", choices=("eager", "lazy"), default=None,
+                        help="Gaudi execution mode for every rank (default: PT_HPU_LAZY_MODE, unset = eager)")
     parser.add_argument("-m", "--module", action="store_true", help="the script is a module name (python -m)")
     parser.add_argument("training_script", help="the script to run on every rank")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
@@ -196,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         runner = DistributedRunner(
             [shlex.join(argv)], world_size=args.world_size, hostfile=args.hostfile, use_mpi=args.use_mpi,
             use_deepspeed=args.use_deepspeed, master_port=args.master_port, master_addr=args.master_addr,
-            node_rank=args.node_rank, log_dir=args.log_dir, stop_timeout=args.stop_timeout,
+            node_rank=args.node_rank, log_dir=args.log_dir, stop_timeout=args.stop_timeout, hpu_mode=args.hpu_mode,
         )
         return runner.run()
     except (ValueError, RuntimeError) as err:
