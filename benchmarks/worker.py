@@ -106,6 +106,9 @@ class MemoryProbe(L.Callback):
         self.live_at_step: int = 0
         self.ddp_bucket_bytes: Optional[int] = None
         self.baseline: set[int] = set()  # storages alive before the model was built
+        self.heap: Any = None  # planner benchmark: C-heap peak over the census step (all of the rank's memory)
+        self.heap_peak: Optional[int] = None
+        self.heap_step_start: Optional[int] = None
 
     def _take(self, trainer: L.Trainer, pl_module: L.LightningModule, point: str) -> None:
         engine = engine_of(trainer)
@@ -156,6 +159,12 @@ class MemoryProbe(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         self.step = batch_idx
         self._comm0 = self.counter.snapshot()
+        if self.case.extra.get("heap_peak") and batch_idx == self.case.census_step:
+            from lightning_gaudi_ds.planning.activations import HostPeak
+
+            self._take(trainer, pl_module, "step_start")
+            self.heap = HostPeak().__enter__()
+            self.heap_step_start = self.heap.start
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if self.step == self.case.census_step:
@@ -163,6 +172,9 @@ class MemoryProbe(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if self.heap is not None:
+            self.heap.__exit__(None, None, None)
+            self.heap_peak, self.heap = self.heap.peak, None
         self.comm_steps.append(delta(self.counter.snapshot(), self._comm0))
         self.comm_steps[-1]["detail"] = list(self.counter.detail)
         self.counter.detail.clear()
@@ -170,23 +182,48 @@ class MemoryProbe(L.Callback):
             self._take(trainer, pl_module, "rest")
 
 
+def gpt_module(case: Case) -> tuple[L.LightningModule, Any, int]:
+    """The example's GPT (examples/train_lm.py) at the case's size, random tokens, and its parameter count."""
+    sys.path.insert(0, str(HERE.parent / "examples"))
+    from train_lm import LitGPT
+    from torch.utils.data import TensorDataset
+
+    from lightning_gaudi_ds.planning.model import build_on_meta, spec_from_module
+
+    kwargs = dict(case.extra["gpt"])
+    g = torch.Generator().manual_seed(SEED)
+    tokens = torch.randint(0, 256, (case.batch_size * 2 * case.steps, kwargs["block_size"] + 1), generator=g)
+    dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    return LitGPT(**kwargs), dataset, spec_from_module(build_on_meta(LitGPT, kwargs)).params
+
+
+def heap_in_use() -> int:
+    from lightning_gaudi_ds.planning.activations import HostPeak
+
+    return HostPeak().start
+
+
 def run_memory(case: Case, rank: int, world: int) -> dict[str, Any]:
     counter = CollectiveCounter().install()
     init_process_group(case, rank, world)
-    size = ModelSize(case.hidden, case.layers)
-    dataset = make_dataset(size, case.batch_size * world * case.steps)
+    if case.extra.get("gpt"):
+        module, dataset, params = gpt_module(case)
+    else:
+        size = ModelSize(case.hidden, case.layers)
+        dataset, module, params = make_dataset(size, case.batch_size * world * case.steps), None, size.params
     loader = make_loader(dataset, case.batch_size)
     probe = MemoryProbe(case, counter)
     if case.extra.get("gc_check"):
         probe.baseline = set(live_tensor_storages())
     reset_peak_rss()
     rss_start = rss_bytes()
-    module = BenchModule(size)
+    heap_start = heap_in_use()
+    module = module or BenchModule(size)
     trainer = make_trainer(case, make_strategy(case), [probe], world)
     t0 = time.perf_counter()
     trainer.fit(module, loader)
     return {
-        "params": size.params,
+        "params": params,
         "census": probe.census,
         "live_at_step": probe.live_at_step,
         "ddp_bucket_bytes": probe.ddp_bucket_bytes,
@@ -194,6 +231,9 @@ def run_memory(case: Case, rank: int, world: int) -> dict[str, Any]:
         "rss_start": rss_start,
         "rss_peak": peak_rss_bytes(),
         "rss_end": rss_bytes(),
+        "heap_start": heap_start,
+        "heap_peak": probe.heap_peak,
+        "heap_step_start": probe.heap_step_start,
         "fit_s": time.perf_counter() - t0,
         "config": copy.deepcopy(getattr(trainer.strategy, "config", None)),
     }
