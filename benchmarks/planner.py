@@ -27,7 +27,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -81,7 +81,7 @@ def activation_bytes(case: Case) -> int:
     return measure_activation_bytes(module, batch, case.precision)
 
 
-def predict(case: Case, config: Optional[dict[str, Any]], activations: int) -> dict[str, Any]:
+def predict(case: Case, config: dict[str, Any] | None, activations: int) -> dict[str, Any]:
     from lightning_gaudi_ds.planning import Buckets, plan_memory
     from lightning_gaudi_ds.planning.model import build_on_meta, spec_from_module
 
@@ -96,7 +96,7 @@ def predict(case: Case, config: Optional[dict[str, Any]], activations: int) -> d
     return row
 
 
-def deepspeed_estimate(case: Case, params: int, largest: int) -> Optional[int]:
+def deepspeed_estimate(case: Case, params: int, largest: int) -> int | None:
     """Model-state bytes per rank by DeepSpeed's estimators (None for ZeRO-0: it has none)."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
@@ -199,8 +199,9 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
     ok = [r for r in rows if r["ok"]]
     names = [("GPT " if r["model"] == "gpt" else "") + ARMS[r["arm"]].short for r in ok]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    for ax, (meas, pred, title) in zip(axes, (("measured_states", "predicted_states", "model states per rank"),
-                                             ("measured_peak", "predicted_peak", "peak per rank (with activations)"))):
+    panels = (("measured_states", "predicted_states", "model states per rank"),
+              ("measured_peak", "predicted_peak", "peak per rank (with activations)"))
+    for ax, (meas, pred, title) in zip(axes, panels, strict=True):
         xs = range(len(ok))
         ax.bar([x - 0.2 for x in xs], [r[meas] / MIB for r in ok], 0.4, label="measured")
         ax.bar([x + 0.2 for x in xs], [r[pred] / MIB for r in ok], 0.4, label="predicted (planner)")
@@ -236,7 +237,7 @@ def write(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], update_re
     print(md)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)

@@ -17,7 +17,7 @@ import logging
 import os
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -25,6 +25,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import Tensor
@@ -51,6 +52,7 @@ from lightning_gaudi_ds.config import (
     Resolved,
     explicit_arguments,
     hidden_size,
+    mark_model_buckets,
     offloads_optimizer,
     shared_batch_size,
     write_resolved,
@@ -67,6 +69,17 @@ from lightning_gaudi_ds.devices import (
 from lightning_gaudi_ds.engine import train
 from lightning_gaudi_ds.launch.environments import check_launcher_world_size, resolve_environment
 from lightning_gaudi_ds.ops import prepare_startup
+from lightning_gaudi_ds.planning import choose
+from lightning_gaudi_ds.planning.auto import (
+    AUTO,
+    AutoStage,
+    activation_bytes_of,
+    apply_choice,
+    config_contradiction,
+    plan_for_module,
+)
+from lightning_gaudi_ds.planning.command import format_table
+from lightning_gaudi_ds.planning.detect import detect_device_memory, detect_host_memory
 
 if TYPE_CHECKING:
     import deepspeed
@@ -92,7 +105,12 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     Args:
         stage: ZeRO stage: 0 (plain data parallel through DeepSpeed), 1 (optimizer states sharded),
-            2 (+ gradients), 3 (+ parameters).
+            2 (+ gradients), 3 (+ parameters); ``"auto"``: at setup, the fastest configuration (lowest stage, no
+            offload before offload) that the memory planner finds to fit the model on the devices.
+        device_memory: with ``stage="auto"``, the memory of one device (``"24GiB"``, bytes); default: read from
+            the HPU/CUDA device (required on CPU).
+        measure_activations: with ``stage="auto"``, add the peak activation memory of one forward/backward of
+            ``example_input_array`` on one device to the plan (else activations are not included).
         accelerator: an accelerator instance; by default the Trainer's ``accelerator`` flag decides
             (``"hpu"``, ``"cuda"``, ``"cpu"`` or ``"auto"``, which does not look for HPUs).
         config: a DeepSpeed config (JSON path or dict); ``PL_DEEPSPEED_CONFIG_PATH`` is read when unset.
@@ -113,8 +131,10 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     def __init__(
         self,
-        stage: int = 2,
+        stage: int | Literal["auto"] = 2,
         *,
+        device_memory: int | str | None = None,
+        measure_activations: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         config: _PATH | dict[str, Any] | None = None,
         offload_optimizer: bool = False,
@@ -133,10 +153,25 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         if torch_compile not in (None, True, False):
             raise ValueError(f"`HPUDeepSpeedStrategy(torch_compile={torch_compile!r})`: pass True, False or None"
                              " (None: on for HPUs in eager mode, off elsewhere).")
-        if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        if isinstance(stage, bool) or stage not in (0, 1, 2, 3, AUTO):
             raise ValueError(
                 f"`HPUDeepSpeedStrategy(stage={stage!r})` is not a ZeRO stage. Allowed: 0, 1, 2, 3"
-                " (0: no sharding, 1: optimizer states, 2: + gradients, 3: + parameters)."
+                " (0: no sharding, 1: optimizer states, 2: + gradients, 3: + parameters) or 'auto' (the fastest"
+                " that fits, chosen at setup)."
+            )
+        self._auto: AutoStage | None = None
+        if stage == AUTO:
+            if offload_optimizer or offload_parameters:
+                raise MisconfigurationException(
+                    "`HPUDeepSpeedStrategy(stage='auto')` chooses offload itself; drop"
+                    f" offload_optimizer={offload_optimizer}/offload_parameters={offload_parameters}, or pass a"
+                    " stage instead of 'auto'."
+                )
+            self._auto = AutoStage.from_arguments(device_memory, measure_activations=measure_activations)
+        elif device_memory is not None or measure_activations:
+            raise ValueError(
+                "`HPUDeepSpeedStrategy(device_memory=..., measure_activations=...)` only apply to stage='auto'"
+                f" (the planner's choice); with stage={stage} drop them."
             )
         if offload_parameters and stage != 3 and config is None:
             raise ValueError(
@@ -148,21 +183,32 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             offload_parameters=offload_parameters, remote_device=remote_device, nvme_path=nvme_path,
             process_group_backend=process_group_backend, logging_level=logging_level, **kwargs,
         )
+        explicit = explicit_arguments(type(self), arguments)
+        if self._auto is not None:  # a placeholder until setup: Lightning builds its default config with it
+            arguments["stage"] = 2
+            explicit.pop("stage")
         # Created before Lightning's __init__, which loads the config through _load_config.
-        self._resolver = ConfigResolver(explicit_arguments(type(self), arguments))
+        self._resolver = ConfigResolver(explicit)
         # Each argument by name and `**kwargs` as such: jsonargparse (LightningCLI) follows `**kwargs` into
         # DeepSpeedStrategy's signature only when it is passed on unchanged.
         super().__init__(
-            stage=stage, accelerator=accelerator, config=config, offload_optimizer=offload_optimizer,
+            stage=arguments["stage"], accelerator=accelerator, config=config, offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters, remote_device=remote_device, nvme_path=nvme_path,
             process_group_backend=process_group_backend, logging_level=logging_level, **kwargs,
         )
+        if self._auto is not None:
+            problem = config_contradiction(self.config if config is not None else None, self._resolver.source)
+            if problem:
+                raise MisconfigurationException(problem)
+            assert isinstance(self.config, dict)
+            self.config.setdefault("zero_optimization", {})["stage"] = AUTO
         self._requested_hpu_mode: hpu.Mode | None = hpu_mode
         self._requested_compile = torch_compile
         self.hpu_mode: hpu.Mode | None = None  # the mode in force, once the Trainer chose an HPU
         self._deterministic_at_trainer = deterministic_state()
         self._deepspeed_hpu_before_trainer = False
         self._mark_step: Callable[[], None] | None = None
+        self.chosen_configuration: dict[str, Any] | None = None  # stage="auto": what setup chose
         self._owns_local_size = False
 
     @property
@@ -184,6 +230,11 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         # at which a device/precision mismatch can be reported, before any process is started.
         assert self.parallel_devices is not None
         validate_precision(self.precision_plugin.precision, self.parallel_devices[0])
+        if self._auto is not None and self._auto.device_memory is None and self.parallel_devices[0].type == "cpu":
+            raise MisconfigurationException(
+                "`HPUDeepSpeedStrategy(stage='auto')` on CPU needs the memory to plan for: pass device_memory"
+                " (e.g. device_memory='24GiB'; on HPU and CUDA it is read from the device)."
+            )
         # The Trainer's constructor has applied Trainer(deterministic=...) by now.
         self._deterministic_at_trainer = deterministic_state()
         self._deepspeed_hpu_before_trainer = created_deepspeed_accelerator() == "hpu"
@@ -438,6 +489,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def _init_config_if_needed(self) -> None:
+        self._choose_configuration()
         # Lightning formats once; resolve again when a fit follows validate/test/predict or comes from a new Trainer,
         # and when ZeRO-3's model_sharded_context resolved before configure_model built any parameter (bucket
         # sizes come from the model).
@@ -476,6 +528,52 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             hidden_size=hidden,
             fitting=fit is not None,
         ))
+
+    def _choose_configuration(self) -> None:
+        """stage='auto': plan for the real model and devices, agree on rank 0's choice, write it into the config.
+
+        Runs before the config's first resolution: in ZeRO-3's ``model_sharded_context`` before ``configure_model``
+        (the parameters are counted on a meta-device copy), else at ``setup``.
+        """
+        if self._auto is None or not isinstance(self.config, dict):
+            return
+        if (self.config.get("zero_optimization") or {}).get("stage") != AUTO or self.lightning_module is None:
+            return
+        assert self.parallel_devices is not None
+        auto, module = self._auto, self.lightning_module
+        precision = self.precision_plugin.precision
+        decision: tuple[Any, ...]
+        if self.is_global_zero:
+            try:
+                device_memory = auto.device_memory or detect_device_memory(self.root_device.type)
+                activations = activation_bytes_of(module, precision, self.root_device) \
+                    if auto.measure_activations else None
+                rows = plan_for_module(
+                    module, auto, devices=len(self.parallel_devices), nodes=self.num_nodes, precision=precision,
+                    device_memory=device_memory, host_memory=auto.host_memory or detect_host_memory(),
+                    zero_config=self._config_as_resolved().get("zero_optimization"), activation_bytes=activations,
+                )
+                row = choose(rows)
+                rank_zero_info(format_table(rows, type(module).__name__)
+                               + f"\nstage='auto' chose {row['label']} (the fastest configuration that fits)")
+                decision = ("ok", {k: row[k] for k in ("stage", "offload_optimizer", "offload_parameters", "label")})
+            except ValueError as err:
+                decision = ("error", str(err))
+        else:
+            decision = ("", None)
+        kind, value = self.broadcast(decision, src=0) if self.world_size > 1 else decision
+        if kind == "error":
+            raise MisconfigurationException(f"HPUDeepSpeedStrategy(stage='auto'): {value}")
+        assert isinstance(value, dict)
+        apply_choice(self.config, value)
+        self.chosen_configuration = value
+
+    def _config_as_resolved(self) -> dict[str, Any]:
+        """The config with the bucket sizes the resolver will give it (from the model unless set)."""
+        assert isinstance(self.config, dict)
+        if self._resolver.source is None:
+            return mark_model_buckets(self.config, self._resolver.explicit_args)
+        return self.config
 
     @override
     def on_train_start(self) -> None:
@@ -517,7 +615,13 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     def zero_stage(self) -> int:
         """The ZeRO stage of the resolved DeepSpeed config (0-3)."""
         assert isinstance(self.config, dict)
-        return int((self.config.get("zero_optimization") or {}).get("stage", 0))
+        stage = (self.config.get("zero_optimization") or {}).get("stage", 0)
+        if stage == AUTO:
+            raise MisconfigurationException(
+                "stage='auto' is chosen when the Trainer sets the strategy up (fit, validate, test, predict);"
+                " read `zero_stage` after that."
+            )
+        return int(stage)
 
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:

@@ -309,3 +309,84 @@ def test_cli_bad_input(argv, match):
 
     with pytest.raises(SystemExit, match=match):
         main(["plan", *argv, "--host-memory", "8GiB"])
+
+
+# ------------------------------------------------------------------------------------------ stage="auto"
+def test_auto_stage_arguments_and_contradictions():
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+
+    strategy = HPUDeepSpeedStrategy(stage="auto", device_memory="24GiB")
+    assert strategy.config["zero_optimization"]["stage"] == "auto"
+    with pytest.raises(MisconfigurationException, match="chosen when the Trainer sets the strategy up"):
+        _ = strategy.zero_stage
+    with pytest.raises(MisconfigurationException, match=r"sets zero_optimization.stage=3.*remove it"):
+        HPUDeepSpeedStrategy(stage="auto", config={"zero_optimization": {"stage": 3}, "train_batch_size": 2})
+    with pytest.raises(MisconfigurationException, match="chooses offload itself"):
+        HPUDeepSpeedStrategy(stage="auto", offload_optimizer=True)
+    with pytest.raises(ValueError, match="device_memory='lots' is not a memory size"):
+        HPUDeepSpeedStrategy(stage="auto", device_memory="lots")
+    with pytest.raises(ValueError, match="only apply to stage='auto'"):
+        HPUDeepSpeedStrategy(stage=2, device_memory="24GiB")
+    with pytest.raises(ValueError, match="or 'auto'"):
+        HPUDeepSpeedStrategy(stage="fast")
+
+
+def test_auto_stage_on_cpu_needs_device_memory_before_any_process_starts():
+    import lightning as L
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+
+    with pytest.raises(MisconfigurationException, match="needs the memory to plan for: pass device_memory"):
+        L.Trainer(strategy=HPUDeepSpeedStrategy(stage="auto"), accelerator="cpu", devices=2)
+
+
+def test_auto_stage_counts_a_configure_model_module_on_meta():
+    import lightning as L
+
+    from lightning_gaudi_ds.planning.auto import AutoStage, apply_choice, module_spec, plan_for_module
+
+    class Late(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(8, 8)
+            self.body = None
+
+        def configure_model(self) -> None:
+            if self.body is None:
+                self.body = nn.Linear(2048, 2048)
+
+    module = Late()
+    spec = module_spec(module)
+    assert module.body is None  # the module itself is left alone
+    assert spec.params == 8 * 8 + 8 + 2048 * 2048 + 2048
+    rows = plan_for_module(module, AutoStage(), devices=4, nodes=1, precision="bf16-mixed",
+                           device_memory=2**30, host_memory=None, spec=spec)
+    chosen = choose(rows)
+    config: dict = {"zero_optimization": {"stage": "auto", "offload_optimizer": {"device": "cpu"}}}
+    apply_choice(config, chosen)
+    assert config["zero_optimization"] == {"stage": chosen["stage"]}
+    apply_choice(config, {"stage": 3, "offload_optimizer": True, "offload_parameters": True})
+    assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
+
+
+@pytest.mark.multiprocess
+def test_auto_stage_picks_zero3_when_only_it_fits(tmp_path):
+    """2 ranks, bf16-mixed, AdamW, the layers built in configure_model; 2 MB per device: ZeRO-0/1/2/3 (3.9-5.6 MB)
+    and ZeRO-1/2 with the optimizer offloaded (3.2, 2.1 MB) do not fit, ZeRO-3 with the optimizer offloaded
+    (1.4 MB) does. Activations of one micro batch are measured on rank 0."""
+    from tests.procs import run_train_job
+
+    ranks = run_train_job(tmp_path, "--stage", "auto", "--device-memory", "2MB", "--measure-activations",
+                          "--build-in-configure-model", "--precision", "bf16-mixed", "--optimizer", "adamw",
+                          "--max-steps", "4", "--no-eval", timeout=400)
+    for rank in ranks:
+        assert rank["chosen_configuration"]["stage"] == 3 and rank["chosen_configuration"]["offload_optimizer"]
+        assert rank["zero_stage"] == 3 and rank["config"]["zero_optimization"]["stage"] == 3
+        assert rank["config"]["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+        assert rank["basic_optimizer"] == "DeepSpeedCPUAdam"
+        probe = rank["probe"]  # built partitioned: each rank holds half of the large weights
+        assert probe["stage3_large_local_numel"] * 2 == probe["stage3_large_numel"] > 0
+        assert all(math.isfinite(x) for x in rank["step_losses"]) and rank["global_step"] == 4

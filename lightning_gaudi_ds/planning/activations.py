@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ class _MallInfo2(ctypes.Structure):
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def _heap_reader() -> Optional[Callable[[], int]]:
+def _heap_reader() -> Callable[[], int] | None:
     """Bytes in use on the C heap (all arenas plus mmap'ed blocks), or None without glibc >= 2.33."""
     path = ctypes.util.find_library("c")
     libc = ctypes.CDLL(path) if path else None
@@ -106,7 +107,7 @@ def measure_activation_bytes(
     module: nn.Module,
     inputs: Any,
     precision: str = "bf16-mixed",
-    device: Optional[torch.device | str] = None,
+    device: torch.device | str | None = None,
 ) -> int:
     """Peak bytes of one forward/backward of ``module(inputs)`` above its parameters, gradients dropped.
 

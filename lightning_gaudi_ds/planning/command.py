@@ -9,7 +9,8 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Any, Optional, Sequence, TextIO
+from collections.abc import Sequence
+from typing import Any, TextIO
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
 
 
-def run(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     from lightning_gaudi_ds.planning.detect import detect_device_count, detect_device_memory, detect_host_memory
     from lightning_gaudi_ds.planning.memory import Buckets, plan_memory
@@ -152,7 +153,8 @@ def format_table(rows: Sequence[dict[str, Any]], name: str = "") -> str:
     widths = [max(len(str(row[i])) for row in table) for i in range(len(cols))]
     lines = [head, ""]
     for i, row in enumerate(table):
-        cells = [str(c).ljust(w) if j == 0 else str(c).rjust(w) for j, (c, w) in enumerate(zip(row, widths))]
+        pairs = enumerate(zip(row, widths, strict=True))
+        cells = [str(c).ljust(w) if j == 0 else str(c).rjust(w) for j, (c, w) in pairs]
         lines.append("  ".join(cells))
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
@@ -173,7 +175,7 @@ def format_table(rows: Sequence[dict[str, Any]], name: str = "") -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lightning-gaudi-ds plan", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
 
-
-def detect_device_memory(device_type: Optional[str] = None) -> Optional[int]:
+def detect_device_memory(device_type: str | None = None) -> int | None:
     """Bytes of memory of one accelerator (``device_type`` or the one detected); None on CPU-only machines."""
     from lightning_gaudi_ds.devices import detect_device_type
 
@@ -21,7 +19,7 @@ def detect_device_memory(device_type: Optional[str] = None) -> Optional[int]:
     return None
 
 
-def detect_device_count(device_type: Optional[str] = None) -> int:
+def detect_device_count(device_type: str | None = None) -> int:
     """Accelerators on this node (1 on a CPU-only machine)."""
     from lightning_gaudi_ds.devices import detect_device_type
 

@@ -31,8 +31,9 @@ parameters; ZeRO-3 all-gathers parameters in forward and again in backward and r
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 from lightning_gaudi_ds.planning.units import format_bytes
 
@@ -62,7 +63,7 @@ class ModelSpec:
 
     params: int  # trainable parameters
     frozen_params: int = 0
-    hidden_size: Optional[int] = None
+    hidden_size: int | None = None
     param_numels: tuple[int, ...] = ()
     name: str = ""
 
@@ -95,10 +96,10 @@ class Buckets:
     pin_memory: bool = False
 
     @classmethod
-    def for_model(cls, hidden_size: Optional[int], zero_config: Optional[Mapping[str, Any]] = None) -> "Buckets":
+    def for_model(cls, hidden_size: int | None, zero_config: Mapping[str, Any] | None = None) -> Buckets:
         """The strategy's sizes: from the hidden size when known (its ``"auto"`` rule), else Lightning's
         defaults; keys of a ``zero_optimization`` section given as numbers override both."""
-        from lightning_gaudi_ds.config import bucket_sizes
+        from lightning_gaudi_ds.config.sizing import bucket_sizes
 
         values: dict[str, Any] = {}
         if hidden_size:
@@ -132,14 +133,14 @@ class PlanRow:
     offload_parameters: bool
     device_bytes: int  # per rank: model states at their peak + transient buffers + activations (when known)
     host_bytes: int  # per node: the offloaded states of every rank on it
-    fits: Optional[bool]  # None when the device memory is unknown
-    fits_device: Optional[bool]
-    fits_host: Optional[bool]
+    fits: bool | None  # None when the device memory is unknown
+    fits_device: bool | None
+    fits_host: bool | None
     model_state_bytes: int  # per rank, device + host, at the optimizer step's peak (what benchmarks/meter.py counts)
     device_model_state_bytes: int
     host_bytes_per_rank: int
     transient_bytes: int  # reduce buckets, ZeRO-3 gathered / persistent parameters
-    activation_bytes: Optional[int]
+    activation_bytes: int | None
     comm_bytes: int  # sent per rank per optimizer step (ring collectives)
     device_parts: dict[str, int] = field(default_factory=dict)
     host_parts: dict[str, int] = field(default_factory=dict)
@@ -213,7 +214,7 @@ def model_states(
     return dev, host
 
 
-def paper_bytes_per_param(stage: Optional[int], precision: str, world_size: int) -> float:
+def paper_bytes_per_param(stage: int | None, precision: str, world_size: int) -> float:
     """Model-state bytes per parameter per rank in the ZeRO paper's accounting (Rajbhandari et al., 2020), Adam:
     parameters + gradients + optimizer states of 2 + 2 + 12 bytes in mixed precision (4 + 4 + 8 in fp32), the
     part each stage shards divided by N. ``stage=None``: plain data parallel."""
@@ -253,11 +254,11 @@ def plan_memory(
     nodes: int = 1,
     precision: str = "bf16-mixed",
     optimizer: str = "adamw",
-    device_memory: Optional[int | str] = None,
-    host_memory: Optional[int | str] = None,
+    device_memory: int | str | None = None,
+    host_memory: int | str | None = None,
     headroom: float = DEFAULT_HEADROOM,
-    activation_bytes: Optional[int] = None,
-    buckets: Optional[Buckets] = None,
+    activation_bytes: int | None = None,
+    buckets: Buckets | None = None,
     configurations: Sequence[tuple[int, bool, bool]] = CONFIGURATIONS,
 ) -> list[dict[str, Any]]:
     """Predicted bytes per rank for ZeRO stages 0-3 with and without offload, fastest configuration first.

@@ -9,8 +9,9 @@ import copy
 import importlib
 import inspect
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,7 +21,7 @@ from lightning_gaudi_ds.planning.memory import ModelSpec
 
 def spec_from_module(module: nn.Module, name: str = "") -> ModelSpec:
     """Count a module's parameters (each shared parameter once; ZeRO-3 partitions by their full size)."""
-    from lightning_gaudi_ds.config import hidden_size
+    from lightning_gaudi_ds.config.sizing import hidden_size
 
     trainable, frozen, numels = 0, 0, []
     for param in module.parameters():
@@ -60,7 +61,7 @@ def import_class(target: str) -> type:
     return obj
 
 
-def build_on_meta(cls: type, init_args: Optional[Mapping[str, Any]] = None, target: str = "") -> nn.Module:
+def build_on_meta(cls: type, init_args: Mapping[str, Any] | None = None, target: str = "") -> nn.Module:
     """Instantiate ``cls(**init_args)`` and run its ``configure_model`` on the meta device."""
     init_args = dict(init_args or {})
     target = target or f"{cls.__module__}:{cls.__qualname__}"
@@ -83,7 +84,7 @@ def build_on_meta(cls: type, init_args: Optional[Mapping[str, Any]] = None, targ
     return module
 
 
-def spec_from_class_path(target: str, init_args: Optional[Mapping[str, Any]] = None) -> ModelSpec:
+def spec_from_class_path(target: str, init_args: Mapping[str, Any] | None = None) -> ModelSpec:
     cls = import_class(target)
     return spec_from_module(build_on_meta(cls, init_args, target), name=target)
 
@@ -136,7 +137,9 @@ def unbuilt_copy(module: nn.Module) -> nn.Module:
         memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
     for buffer in module.buffers():
         memo[id(buffer)] = torch.empty_like(buffer, device="meta")
-    trainer = getattr(module, "_trainer", None)
+    from lightning_gaudi_ds._compat import attached_trainer
+
+    trainer = attached_trainer(module)
     if trainer is not None:
         memo[id(trainer)] = None
     return copy.deepcopy(module, memo)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from typing import Union
 
 _UNITS = {
     "": 1, "b": 1,
@@ -13,7 +12,7 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(value: Union[int, float, str], name: str = "memory") -> int:
+def parse_bytes(value: int | float | str, name: str = "memory") -> int:
     """Bytes from an int, a float or a string with an optional unit (B, KB/MB/GB/TB = 1000^n, KiB/MiB/GiB/TiB
     = 1024^n; case-insensitive). Raises ``ValueError`` naming the value and the allowed forms."""
     allowed = ("a number of bytes (e.g. 25769803776 or 1.5e9) or a size with a unit: B, KB, MB, GB, TB, KiB, MiB,"
@@ -32,7 +31,7 @@ def parse_bytes(value: Union[int, float, str], name: str = "memory") -> int:
     return int(result)
 
 
-def format_bytes(n: Union[int, float, None]) -> str:
+def format_bytes(n: int | float | None) -> str:
     """``12.34 GiB``-style text (binary units)."""
     if n is None:
         return "?"

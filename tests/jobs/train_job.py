@@ -15,11 +15,23 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
-from common import EngineProbe, RegressionData, RegressionModel, basic_optimizer, job_parser, start_process, write_result
+import torch
+from common import (
+    INPUTS,
+    OUTPUTS,
+    EngineProbe,
+    RegressionData,
+    RegressionModel,
+    basic_optimizer,
+    job_parser,
+    start_process,
+    write_result,
+)
 from lightning.pytorch.loggers import CSVLogger
+from torch import nn
 
 from lightning_gaudi_ds import HPUDeepSpeedStrategy  # importing the package registers its strategy names
 
@@ -43,11 +55,32 @@ class Fault(L.Callback):
         time.sleep(3600)  # "hang": ignores the SIGTERM Lightning only notes; needs SIGKILL
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+class LateRegressionModel(RegressionModel):
+    """The same model with its layers created in ``configure_model`` (under ZeRO-3 inside ``zero.Init``), and one
+    micro batch as ``example_input_array``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.net = None  # type: ignore[assignment]
+        self.example_input_array = torch.randn(16, INPUTS)
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            width = self.hparams.width
+            self.net = nn.Sequential(
+                nn.Linear(INPUTS, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, OUTPUTS)
+            )
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = job_parser(__doc__)
     parser.add_argument("--strategy", default="deepspeed", help="deepspeed | ddp | a registered name")
     parser.add_argument("--config", default=None, help="DeepSpeed JSON path; omit for PL_DEEPSPEED_CONFIG_PATH or none")
-    parser.add_argument("--stage", type=int, default=None, help="pass stage= to the strategy (its default: 2)")
+    parser.add_argument("--stage", default=None, help="pass stage= to the strategy: 0-3 or auto (its default: 2)")
+    parser.add_argument("--device-memory", default=None, help="stage auto: the memory of one device to plan for")
+    parser.add_argument("--measure-activations", action="store_true", help="stage auto: measure one micro batch")
+    parser.add_argument("--build-in-configure-model", action="store_true",
+                        help="the model's layers are created in configure_model (ZeRO-3 builds them partitioned)")
     parser.add_argument("--offload-optimizer", action="store_true")
     parser.add_argument("--offload-parameters", action="store_true")
     parser.add_argument("--precision", default="32-true")
@@ -73,7 +106,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.strategy == "deepspeed":
         kwargs: dict[str, Any] = {"config": args.config}
         if args.stage is not None:
-            kwargs["stage"] = args.stage
+            kwargs["stage"] = args.stage if args.stage == "auto" else int(args.stage)
+        if args.device_memory is not None:
+            kwargs["device_memory"] = args.device_memory
+        if args.measure_activations:
+            kwargs["measure_activations"] = True
         if args.offload_optimizer:
             kwargs["offload_optimizer"] = True
         if args.offload_parameters:
@@ -85,7 +122,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         strategy = DDPStrategy(process_group_backend="gloo")
     else:
         strategy = args.strategy
-    model = RegressionModel(
+    model = (LateRegressionModel if args.build_in_configure_model else RegressionModel)(
         width=args.width, optimizer=args.optimizer, lr=args.lr, betas=tuple(args.betas) if args.betas else None,
         eps=args.eps, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
     )
@@ -130,6 +167,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         "probe": model.probe,
         "param_dtype": str(next(model.parameters()).dtype),
         "config": getattr(trainer.strategy, "config", None),
+        "chosen_configuration": getattr(trainer.strategy, "chosen_configuration", None),
         "basic_optimizer": type(basic).__name__ if basic is not None else None,
         "adam_w_mode": getattr(basic, "adam_w_mode", None),
     }

@@ -1,0 +1,128 @@
+"""``stage="auto"``: the fastest ZeRO configuration that fits the real model on the real devices.
+
+Pure functions of a module and numbers: the strategy gathers the facts (devices, precision, memory), calls
+:func:`plan_for_module`, agrees on one choice across ranks and writes it into its config with
+:func:`apply_choice`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from lightning_gaudi_ds.planning.memory import DEFAULT_HEADROOM, Buckets, ModelSpec, plan_memory
+from lightning_gaudi_ds.planning.units import parse_bytes
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class AutoStage:
+    """What ``HPUDeepSpeedStrategy(stage="auto", ...)`` was told: memory overrides and the activation opt-in."""
+
+    device_memory: int | None = None
+    host_memory: int | None = None
+    measure_activations: bool = False
+    headroom: float = DEFAULT_HEADROOM
+
+    @classmethod
+    def from_arguments(cls, device_memory: int | str | None, host_memory: int | str | None = None,
+                       measure_activations: bool = False) -> AutoStage:
+        return cls(
+            device_memory=None if device_memory is None else parse_bytes(device_memory, "device_memory"),
+            host_memory=None if host_memory is None else parse_bytes(host_memory, "host_memory"),
+            measure_activations=bool(measure_activations),
+        )
+
+
+def builds_in_configure_model(module: nn.Module) -> bool:
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    return isinstance(module, pl.LightningModule) and is_overridden("configure_model", module, pl.LightningModule)
+
+
+def module_spec(module: nn.Module) -> ModelSpec:
+    """The parameters the module trains with: counted on a meta-device copy when ``configure_model`` builds them
+    (so that ZeRO-3's ``zero.Init`` can still partition them), else on the module itself."""
+    from lightning_gaudi_ds.planning.model import spec_before_configure_model, spec_from_module
+
+    if builds_in_configure_model(module):
+        return spec_before_configure_model(module)
+    return spec_from_module(module)
+
+
+def activation_bytes_of(module: nn.Module, precision: str, device: Any) -> int:
+    """One forward/backward of a copy of ``module`` on ``module.example_input_array`` (one micro batch)."""
+    import copy
+
+    from lightning_gaudi_ds._compat import attached_trainer
+    from lightning_gaudi_ds.planning.activations import measure_activation_bytes
+
+    inputs = getattr(module, "example_input_array", None)
+    if inputs is None:
+        raise ValueError(
+            f"measure_activations=True runs one micro batch through {type(module).__name__}, and it has no"
+            " `example_input_array`. Set `self.example_input_array = <one micro batch>` in its __init__, or drop"
+            " measure_activations."
+        )
+    trainer = attached_trainer(module)
+    probe = copy.deepcopy(module, {id(trainer): None} if trainer is not None else {})
+    if builds_in_configure_model(probe):
+        probe.configure_model()  # type: ignore[operator]  # a LightningModule's hook
+    try:
+        return measure_activation_bytes(probe, inputs, precision, device)
+    finally:
+        del probe
+
+
+def plan_for_module(
+    module: nn.Module,
+    auto: AutoStage,
+    *,
+    devices: int,
+    nodes: int,
+    precision: str,
+    device_memory: int | None,
+    host_memory: int | None,
+    zero_config: Mapping[str, Any] | None = None,
+    activation_bytes: int | None = None,
+    spec: ModelSpec | None = None,
+) -> list[dict[str, Any]]:
+    """:func:`plan_memory` rows for the module, with bucket sizes as the strategy will resolve them."""
+    spec = spec or module_spec(module)
+    return plan_memory(
+        spec, devices=devices, nodes=nodes, precision=precision, device_memory=device_memory,
+        host_memory=host_memory, headroom=auto.headroom, activation_bytes=activation_bytes,
+        buckets=Buckets.for_model(spec.hidden_size, zero_config),
+    )
+
+
+def config_contradiction(config: Mapping[str, Any] | None, source: str | None) -> str | None:
+    """Why a user config cannot go with ``stage="auto"`` (it sets the stage or an offload), or None."""
+    zero = (config or {}).get("zero_optimization")
+    if not isinstance(zero, Mapping):
+        return None
+    set_keys = [k for k in ("stage", "offload_optimizer", "offload_param") if k in zero and zero[k] != AUTO]
+    if not set_keys:
+        return None
+    values = ", ".join(f"zero_optimization.{k}={zero[k]!r}" for k in set_keys)
+    return (
+        f"`HPUDeepSpeedStrategy(stage='auto')` chooses the ZeRO stage and offload, but the DeepSpeed config"
+        f" ({source or 'dict'}) sets {values}. Either remove {'it' if len(set_keys) == 1 else 'them'} from the"
+        f" config (or set \"auto\"), or pass the stage you want instead of 'auto'."
+    )
+
+
+def apply_choice(config: MutableMapping[str, Any], row: Mapping[str, Any]) -> None:
+    """Write the chosen stage and offload into a DeepSpeed config (in place)."""
+    zero = config.setdefault("zero_optimization", {})
+    zero["stage"] = int(row["stage"])
+    for key, on in (("offload_optimizer", row["offload_optimizer"]), ("offload_param", row["offload_parameters"])):
+        if on:
+            zero[key] = {"device": "cpu", "pin_memory": False}
+        else:
+            zero.pop(key, None)
