@@ -297,6 +297,19 @@ def test_cli_table_and_model_source(capsys):
     assert "activations: not included" in out
 
 
+def test_cli_plan_help_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom lightning_gaudi_ds.cli import main\ntry:\n    main(['plan', '--help'])\n"
+            "except SystemExit:\n    pass\nprint('HEAVY', sorted(m for m in ('torch', 'deepspeed', 'lightning')"
+            " if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert "--device-memory" in done.stdout and "HEAVY []" in done.stdout, done.stdout[-300:]
+
+
 @pytest.mark.parametrize("argv,match", [
     (["--params", "lots"], "--params 'lots' is not a number"),
     (["--params", "1e9", "--device-memory", "12XB"], "--device-memory='12XB'"),

@@ -99,8 +99,7 @@ class Buckets:
     def for_model(cls, hidden_size: int | None, zero_config: Mapping[str, Any] | None = None) -> Buckets:
         """The strategy's sizes: from the hidden size when known (its ``"auto"`` rule), else Lightning's
         defaults; keys of a ``zero_optimization`` section given as numbers override both."""
-        from lightning_gaudi_ds.config.sizing import bucket_sizes
-
+        bucket_sizes = sizing().bucket_sizes
         values: dict[str, Any] = {}
         if hidden_size:
             values = {k.rsplit(".", 1)[-1]: v for k, v in bucket_sizes(hidden_size).items()}
@@ -148,6 +147,19 @@ class PlanRow:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def sizing() -> Any:
+    """:mod:`lightning_gaudi_ds.config.sizing` (the strategy's bucket and hidden-size rules), imported lazily.
+
+    Lightning is imported first, on its own: importing it registers the package's strategy, which must not
+    happen half-way through importing the config package (it imports Lightning itself).
+    """
+    import lightning  # noqa: F401
+
+    from lightning_gaudi_ds.config import sizing as module
+
+    return module
 
 
 def bytes_per_param(precision: str) -> float:

@@ -16,13 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_gaudi_ds.planning.memory import ModelSpec
+from lightning_gaudi_ds.planning.memory import ModelSpec, sizing
 
 
 def spec_from_module(module: nn.Module, name: str = "") -> ModelSpec:
     """Count a module's parameters (each shared parameter once; ZeRO-3 partitions by their full size)."""
-    from lightning_gaudi_ds.config.sizing import hidden_size
-
+    hidden_size = sizing().hidden_size
     trainable, frozen, numels = 0, 0, []
     for param in module.parameters():
         n = int(getattr(param, "ds_numel", 0) or param.numel())
