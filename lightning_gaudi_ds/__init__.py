@@ -85,36 +85,52 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_EXPORTS})
 
 
+# Bodies of this package's modules (and of ``lightning``) running right now, nested imports counted each.
+_importing = 0
+
+
 def _register() -> None:
-    # A module already in sys.modules is imported or being imported (its own import of Lightning got here):
-    # either way it registers itself when its body completes.
+    # Importing the strategy while a module of this package is part-way through its body (its own import of
+    # Lightning got here) would hand the strategy that module half-built: the outermost module registers instead,
+    # once its body completes. A registering module already in sys.modules registers itself when its body completes.
+    if _importing or "lightning" not in sys.modules:
+        return
     for module in _REGISTERING:
         if module not in sys.modules:
             importlib.import_module(module)
 
 
-class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: makes the next import of ``lightning`` call :func:`_register` once it completes."""
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: calls :func:`_register` each time ``lightning`` or a module of this package has been
+    imported, so the names are registered as soon as Lightning is, and never from inside a half-imported module."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != "lightning":
+        if fullname != "lightning" and not fullname.startswith(__name__ + "."):
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
+        spec = None
+        for finder in sys.meta_path:  # the spec the other finders give
+            if finder is not self and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
         if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
             exec_module = spec.loader.exec_module
 
             def exec_then_register(module: ModuleType) -> None:
-                exec_module(module)
+                global _importing
+                _importing += 1
+                try:
+                    exec_module(module)
+                finally:
+                    _importing -= 1
                 _register()
 
             spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
         return spec
 
 
-if "lightning" in sys.modules:
-    _register()
-elif not any(isinstance(finder, _RegisterAfterLightning) for finder in sys.meta_path):
-    sys.meta_path.insert(0, _RegisterAfterLightning())
+if not any(type(finder).__name__ == "_RegisterAfterImport" for finder in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterAfterImport())
+_register()

@@ -38,6 +38,19 @@ def test_import_needs_no_gaudi_stack_and_exports_public_api():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("first", ["lightning_gaudi_ds.config", "lightning_gaudi_ds.checkpoint",
+                                   "lightning_gaudi_ds._compat", "lightning_gaudi_ds.engine.train"])
+def test_submodule_imported_before_lightning_registers_the_names(first: str) -> None:
+    # The submodule's own import of Lightning must not import the strategy while the submodule is half-built.
+    code = (
+        f"import {first}; from lightning.pytorch.strategies import StrategyRegistry; "
+        "from lightning.pytorch.accelerators import AcceleratorRegistry; "
+        "assert 'hpu_deepspeed_stage_3' in StrategyRegistry and 'hpu' in AcceleratorRegistry"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 @pytest.mark.parametrize("name", sorted(NAMES))
 def test_registered_names_resolve_as_strings(name):
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=name, logger=False)
