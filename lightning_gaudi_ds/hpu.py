@@ -85,6 +85,13 @@ def device_count() -> int:
     return int(hthpu.device_count())
 
 
+def total_memory(index: int = 0) -> int:
+    """Bytes of memory of HPU ``index``: the runtime's ``Limit``, what its allocator may use."""
+    import habana_frameworks.torch.hpu as hthpu
+
+    return int(hthpu.memory_stats(index)["Limit"])
+
+
 def device_name() -> str:
     """``"GAUDI"`` (first generation), ``"GAUDI2"``, ``"GAUDI3"``, ...; empty without a device."""
     import habana_frameworks.torch.hpu as hthpu

@@ -192,7 +192,8 @@ class GaudiDouble:
             get_device_name=lambda device=None: self.device_name if self.devices > 0 else "",
             set_device=lambda device: self.record("set_device", device),
             current_device=lambda: 0,
-            memory_stats=lambda device=None: {"InUse": 0},
+            # the keys Lightning's HPU DeviceStatsMonitor documents: "Limit" is the card's memory (Gaudi2: 96 GB)
+            memory_stats=lambda device=None: {"InUse": 0, "Limit": 96 * 10**9},
             HABANA_VISIBLE_MODULES_VAR="HABANA_VISIBLE_MODULES",
             HLS_MODULE_ID_VAR="HLS_MODULE_ID",
             Event=type("Event", (), {"__module__": "habana_frameworks.torch.hpu"}),  # hpu/events.py

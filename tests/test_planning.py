@@ -324,6 +324,16 @@ def test_cli_bad_input(argv, match):
         main(["plan", *argv, "--host-memory", "8GiB"])
 
 
+def test_device_memory_and_count_are_read_from_a_gaudi(monkeypatch):
+    """Wiring only, with the habana_frameworks double: the card's memory and count come from its runtime."""
+    from lightning_gaudi_ds.planning.detect import detect_device_count, detect_device_memory, detect_host_memory
+    from tests import hpu_double
+
+    hpu_double.install(monkeypatch, devices=8, deepspeed_detects=False)
+    assert detect_device_memory("hpu") == 96 * 10**9 and detect_device_count("hpu") == 8
+    assert detect_device_memory("cpu") is None and detect_host_memory() > 0
+
+
 # ------------------------------------------------------------------------------------------ stage="auto"
 def test_auto_stage_arguments_and_contradictions():
     from lightning.pytorch.utilities.exceptions import MisconfigurationException

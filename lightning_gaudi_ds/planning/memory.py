@@ -149,14 +149,15 @@ class PlanRow:
         return asdict(self)
 
 
-def sizing() -> Any:
-    """:mod:`lightning_gaudi_ds.config.sizing` (the strategy's bucket and hidden-size rules), imported lazily.
-
-    Lightning is imported first, on its own: importing it registers the package's strategy, which must not
-    happen half-way through importing the config package (it imports Lightning itself).
-    """
+def import_lightning_first() -> None:
+    """Import Lightning on its own before the package modules that import it (config, devices): importing
+    Lightning registers the package's strategy, which must not happen half-way through importing one of them."""
     import lightning  # noqa: F401
 
+
+def sizing() -> Any:
+    """:mod:`lightning_gaudi_ds.config.sizing` (the strategy's bucket and hidden-size rules), imported lazily."""
+    import_lightning_first()
     from lightning_gaudi_ds.config import sizing as module
 
     return module
