@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from lightning_gaudi_ds.planning.memory import import_lightning_first
-
 
 def detect_device_memory(device_type: str | None = None) -> int | None:
     """Bytes of memory of one accelerator (``device_type`` or the one detected); None on CPU-only machines."""
-    import_lightning_first()
     from lightning_gaudi_ds.devices import detect_device_type
 
     kind = device_type or detect_device_type()
@@ -24,7 +21,6 @@ def detect_device_memory(device_type: str | None = None) -> int | None:
 
 def detect_device_count(device_type: str | None = None) -> int:
     """Accelerators on this node (1 on a CPU-only machine)."""
-    import_lightning_first()
     from lightning_gaudi_ds.devices import detect_device_type
 
     kind = device_type or detect_device_type()

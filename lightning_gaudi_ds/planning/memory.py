@@ -149,15 +149,9 @@ class PlanRow:
         return asdict(self)
 
 
-def import_lightning_first() -> None:
-    """Import Lightning on its own before the package modules that import it (config, devices): importing
-    Lightning registers the package's strategy, which must not happen half-way through importing one of them."""
-    import lightning  # noqa: F401
-
-
 def sizing() -> Any:
-    """:mod:`lightning_gaudi_ds.config.sizing` (the strategy's bucket and hidden-size rules), imported lazily."""
-    import_lightning_first()
+    """:mod:`lightning_gaudi_ds.config.sizing` (the strategy's bucket and hidden-size rules), imported lazily:
+    this module stays free of torch and Lightning."""
     from lightning_gaudi_ds.config import sizing as module
 
     return module
