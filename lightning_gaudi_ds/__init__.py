@@ -30,7 +30,7 @@ if TYPE_CHECKING:
         IncompleteCheckpointError,
         convert_zero_checkpoint_to_fp32_state_dict,
     )
-    from lightning_gaudi_ds.config import ConfigError
+    from lightning_gaudi_ds.config import ConfigError, ConfigNotFoundError
     from lightning_gaudi_ds.launch import DistributedRunner, HostfileError
     from lightning_gaudi_ds.ops import BuildLockError
     from lightning_gaudi_ds.planning import plan_memory
@@ -41,6 +41,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "ConfigError",
+    "ConfigNotFoundError",
     "DistributedRunner",
     "HPUAccelerator",
     "HPUDeepSpeedStrategy",
@@ -61,6 +62,7 @@ _EXPORTS = {
     "CheckpointError": "lightning_gaudi_ds.checkpoint",
     "CheckpointNotFoundError": "lightning_gaudi_ds.checkpoint",
     "ConfigError": "lightning_gaudi_ds.config",
+    "ConfigNotFoundError": "lightning_gaudi_ds.config",
     "DistributedRunner": "lightning_gaudi_ds.launch",
     "HPUAccelerator": "lightning_gaudi_ds.accelerator",
     "HPUDeepSpeedStrategy": "lightning_gaudi_ds.strategy",

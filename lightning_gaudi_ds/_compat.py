@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.strategies.deepspeed import _format_precision_config
+from lightning.fabric.strategies.deepspeed import _format_precision_config, _validate_device_index_selection
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
@@ -31,6 +31,7 @@ __all__ = [
     "_StrategyRegistry",
     "_format_precision_config",
     "_init_optimizers_and_lr_schedulers",
+    "_validate_device_index_selection",
     "attached_trainer",
     "deepspeed_accelerator_name",
     "deepspeed_removed_config_keys",
@@ -56,7 +57,7 @@ OVERRIDDEN_DEEPSPEED_STRATEGY_HOOKS = (
     "_setup_model_and_optimizer",  # device_rank on CPU/HPU
     "_init_optimizers",  # one optimizer; no Habana fused optimizer under ZeRO-Offload
     "_init_deepspeed_distributed",  # called from our setup_distributed
-    "_set_deepspeed_activation_checkpointing",  # called from our _initialize_deepspeed_train
+    "_set_deepspeed_activation_checkpointing",  # number of checkpoints for contiguous checkpointing
 )
 # Private attributes of Lightning's DeepSpeedStrategy instances the strategy reads or sets.
 DEEPSPEED_STRATEGY_ATTRIBUTES = ("_config_initialized", "_process_group_backend")
@@ -67,11 +68,12 @@ DEEPSPEED_STRATEGY_ATTRIBUTES = ("_config_initialized", "_process_group_backend"
 COPIED_FROM_LIGHTNING_VERSION = "2.6.6"
 COPIED_DEEPSPEED_STRATEGY_METHODS: dict[str, str] = {
     "setup_environment": "d8046a5e0e133d04",  # without the CUDA-only gate
-    "setup_distributed": "d8ce45e1f34e061c",  # without the CUDA device-index check, plus the JIT-op start-up
+    "setup_distributed": "d8ce45e1f34e061c",  # device-index check only where devices have one, JIT-op start-up
     "_initialize_deepspeed_train": "f2a07b4c1db8f7dd",  # the optimizer may come from the config or the module
     "_initialize_deepspeed_inference": "cb20fc28d95bf969",  # device_rank for CPU/HPU
     "_setup_model_and_optimizer": "68c0cc65d009288f",  # device_rank for CPU/HPU
     "_init_optimizers": "88dffe1d22e2a2fd",  # errors that say what to return; Habana's fused optimizers
+    "_set_deepspeed_activation_checkpointing": "4f4643f974fe2d7e",  # number of checkpoints, synchronize
 }
 
 

@@ -40,6 +40,7 @@ from lightning_gaudi_ds._compat import (
     _format_precision_config,
     _init_optimizers_and_lr_schedulers,
     _StrategyRegistry,
+    _validate_device_index_selection,
     attached_trainer,
     created_deepspeed_accelerator,
     remove_module_hooks,
@@ -48,8 +49,10 @@ from lightning_gaudi_ds._compat import (
 )
 from lightning_gaudi_ds.config import (
     AutoContext,
+    ConfigError,
     ConfigResolver,
     Resolved,
+    check_activation_checkpointing,
     explicit_arguments,
     hidden_size,
     mark_model_buckets,
@@ -124,7 +127,10 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         torch_compile: compile the DeepSpeed engine with ``torch.compile`` and DeepSpeed's accelerator backend
             (``hpu_backend`` on Gaudi, inductor on CPU). By default on for HPUs in eager mode, Habana's
             recommended path, and off elsewhere. Lazy mode cannot compile.
-        **kwargs: every other argument of :class:`lightning.pytorch.strategies.DeepSpeedStrategy`.
+        number_checkpoints: how many ``deepspeed.checkpointing.checkpoint`` calls one forward pass makes; needed by
+            ``contiguous_memory_optimization=True`` (the config's ``activation_checkpointing.number_checkpoints``).
+        **kwargs: every other argument of :class:`lightning.pytorch.strategies.DeepSpeedStrategy`, such as
+            ``logging_batch_size_per_gpu`` (DeepSpeed's micro batch for its throughput logging, as in Lightning).
     """
 
     strategy_name = "hpu_deepspeed"
@@ -145,16 +151,17 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         logging_level: int = logging.WARN,
         hpu_mode: hpu.Mode | None = None,
         torch_compile: bool | None = None,
+        number_checkpoints: int | None = None,
         **kwargs: Any,
     ) -> None:
         if hpu_mode not in (None, "eager", "lazy"):
-            raise ValueError(f"`HPUDeepSpeedStrategy(hpu_mode={hpu_mode!r})` is not a Gaudi execution mode. Use"
+            raise ConfigError(f"`HPUDeepSpeedStrategy(hpu_mode={hpu_mode!r})` is not a Gaudi execution mode. Use"
                              " 'eager' (with torch.compile, Habana's default) or 'lazy' (the legacy mark_step mode).")
         if torch_compile not in (None, True, False):
-            raise ValueError(f"`HPUDeepSpeedStrategy(torch_compile={torch_compile!r})`: pass True, False or None"
+            raise ConfigError(f"`HPUDeepSpeedStrategy(torch_compile={torch_compile!r})`: pass True, False or None"
                              " (None: on for HPUs in eager mode, off elsewhere).")
         if isinstance(stage, bool) or stage not in (0, 1, 2, 3, AUTO):
-            raise ValueError(
+            raise ConfigError(
                 f"`HPUDeepSpeedStrategy(stage={stage!r})` is not a ZeRO stage. Allowed: 0, 1, 2, 3"
                 " (0: no sharding, 1: optimizer states, 2: + gradients, 3: + parameters) or 'auto' (the fastest"
                 " that fits, chosen at setup)."
@@ -169,12 +176,12 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
                 )
             self._auto = AutoStage.from_arguments(device_memory, measure_activations=measure_activations)
         elif device_memory is not None or measure_activations:
-            raise ValueError(
+            raise ConfigError(
                 "`HPUDeepSpeedStrategy(device_memory=..., measure_activations=...)` only apply to stage='auto'"
                 f" (the planner's choice); with stage={stage} drop them."
             )
         if offload_parameters and stage != 3 and config is None:
-            raise ValueError(
+            raise ConfigError(
                 f"`HPUDeepSpeedStrategy(stage={stage}, offload_parameters=True)`: parameter offload needs ZeRO"
                 " stage 3. Use stage=3, or offload_optimizer=True alone for stages 1-2."
             )
@@ -183,7 +190,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             offload_parameters=offload_parameters, remote_device=remote_device, nvme_path=nvme_path,
             process_group_backend=process_group_backend, logging_level=logging_level, **kwargs,
         )
-        explicit = explicit_arguments(type(self), arguments)
+        explicit = explicit_arguments(type(self), {**arguments, "number_checkpoints": number_checkpoints})
         if self._auto is not None:  # a placeholder until setup: Lightning builds its default config with it
             arguments["stage"] = 2
             explicit.pop("stage")
@@ -202,6 +209,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
                 raise MisconfigurationException(problem)
             assert isinstance(self.config, dict)
             self.config.setdefault("zero_optimization", {})["stage"] = AUTO
+        if number_checkpoints is not None:
+            self._set_number_checkpoints(number_checkpoints)
         self._requested_hpu_mode: hpu.Mode | None = hpu_mode
         self._requested_compile = torch_compile
         self.hpu_mode: hpu.Mode | None = None  # the mode in force, once the Trainer chose an HPU
@@ -217,6 +226,16 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         if self._requested_compile is not None:
             return self._requested_compile
         return self.hpu_mode == "eager"
+
+    def _set_number_checkpoints(self, count: int) -> None:
+        assert isinstance(self.config, dict)
+        section = self.config.setdefault("activation_checkpointing", {})
+        if section.setdefault("number_checkpoints", count) != count:
+            raise ConfigError(
+                f"HPUDeepSpeedStrategy(number_checkpoints={count}) and the DeepSpeed config's"
+                f" activation_checkpointing.number_checkpoints={section['number_checkpoints']!r} disagree; remove"
+                " one of them."
+            )
 
     # ----------------------------------------------------------------------------------------- set-up
     @property
@@ -242,10 +261,14 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             # Refuses a mode other than the imported one, and exports it to the ranks Lightning's launcher starts.
             self.hpu_mode = hpu.check_mode(self._requested_hpu_mode)
             if self.hpu_mode == "lazy" and self._requested_compile:
-                raise ValueError(
+                raise ConfigError(
                     "`HPUDeepSpeedStrategy(torch_compile=True)` with HPU lazy mode: torch.compile needs eager mode."
                     " Run with PT_HPU_LAZY_MODE=0 (hpu_mode='eager'), or drop torch_compile=True."
                 )
+        self._validate_device_indices()
+        assert isinstance(self.config, dict)
+        check_activation_checkpointing(self.config, self._resolver.source or "built from HPUDeepSpeedStrategy's"
+                                       " arguments")
         if self.parallel_devices[0].type == "cpu" and hpu_available():
             rank_zero_warn(
                 "A Gaudi device is visible but the Trainer selected CPU (Lightning's accelerator='auto' does not"
@@ -283,14 +306,22 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        # A copy of Lightning 2.6.6's DeepSpeedStrategy.setup_distributed without _validate_device_index_selection
-        # (CPU and HPU devices have no CUDA index), plus the JIT-op start-up: on every rank, before DeepSpeed
-        # builds anything, clear stale build locks and decide whether the CPU shm comm op is loaded (else plain
-        # torch.distributed collectives).
+        # A copy of Lightning 2.6.6's DeepSpeedStrategy.setup_distributed whose device-index check skips devices
+        # without an index (CPU, HPU), plus the JIT-op start-up: on every rank, before DeepSpeed builds anything,
+        # clear stale build locks and decide whether the CPU shm comm op is loaded (else plain torch.distributed
+        # collectives).
+        self._validate_device_indices()
         reset_seed()
         self.set_world_ranks()
         prepare_startup(self.device_spec.deepspeed_accelerator, self.config, self.world_size)
         self._init_deepspeed_distributed()
+
+    def _validate_device_indices(self) -> None:
+        # Lightning's check, wherever devices have an index (CUDA; HPU and CPU devices have none): DeepSpeed takes
+        # the device index as the process's local rank, so `devices=[1]` or `[0, 2]` would fail inside it.
+        assert self.parallel_devices is not None
+        if all(device.index is not None for device in self.parallel_devices):
+            _validate_device_index_selection(self.parallel_devices)
 
     @override
     def _get_process_group_backend(self) -> str:
@@ -312,9 +343,10 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         """Trainer settings DeepSpeed cannot honour, reported before the process group starts."""
         trainer = attached_trainer(self.lightning_module)
         if trainer is not None and trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-            raise ValueError(
-                "`Trainer(gradient_clip_algorithm='value')` is not supported by DeepSpeed, which clips by norm only."
-                f" Use `Trainer(gradient_clip_val={trainer.gradient_clip_val}, gradient_clip_algorithm='norm')`."
+            raise ConfigError(
+                "DeepSpeed does not support clipping gradients by value (`Trainer(gradient_clip_algorithm='value')`);"
+                f" it clips by norm only. Use `Trainer(gradient_clip_val={trainer.gradient_clip_val},"
+                " gradient_clip_algorithm='norm')`."
             )
 
     @override
@@ -401,6 +433,26 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             # Through the engine: Lightning refuses a module already passed through torch.compile with DeepSpeed.
             engine.compile(backend=self._compile_backend())
 
+    @override
+    def _set_deepspeed_activation_checkpointing(self) -> None:
+        # A copy of Lightning 2.6.6's DeepSpeedStrategy._set_deepspeed_activation_checkpointing that also passes
+        # the number of checkpoints (contiguous_memory_optimization asserts without it) and
+        # synchronize_checkpoint_boundary, which Lightning's version drops.
+        import deepspeed
+
+        assert isinstance(self.config, dict)
+        if self.config.get("activation_checkpointing"):
+            checkpoint_config = self.config["activation_checkpointing"]
+            deepspeed.checkpointing.configure(
+                mpu_=None,
+                partition_activations=checkpoint_config.get("partition_activations"),
+                contiguous_checkpointing=checkpoint_config.get("contiguous_memory_optimization"),
+                num_checkpoints=checkpoint_config.get("number_checkpoints"),
+                checkpoint_in_cpu=checkpoint_config.get("cpu_checkpointing"),
+                synchronize=checkpoint_config.get("synchronize_checkpoint_boundary"),
+                profile=checkpoint_config.get("profile"),
+            )
+
     def _client_optimizer_and_scheduler(self) -> tuple[Optimizer | None, LRSchedulerConfig | None]:
         assert isinstance(self.config, dict)
         with warnings.catch_warnings():  # None: the config's optimizer is used, or optimizer_sources says what to do
@@ -417,7 +469,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         offload = isinstance(self.config, dict) and offloads_optimizer(self.config)
         problem = hpu.fused_optimizer_problem(optimizer, offload)
         if problem:
-            raise ValueError(problem)
+            raise ConfigError(problem)
         return optimizer, scheduler_config
 
     # ------------------------------------------------------------------- HPU lazy-mode graph breaks
@@ -449,7 +501,18 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         self._graph_break()
         output = step(*args, **kwargs)
         self._graph_break()
+        if self._contiguous_checkpointing:
+            # Contiguous checkpoint buffers are emptied by the backward pass; a forward without one (evaluation)
+            # would overrun them after `number_checkpoints` calls. DeepSpeed's documented remedy.
+            import deepspeed
+
+            deepspeed.checkpointing.reset()
         return output
+
+    @property
+    def _contiguous_checkpointing(self) -> bool:
+        section = self.config.get("activation_checkpointing") if isinstance(self.config, dict) else None
+        return isinstance(section, dict) and bool(section.get("contiguous_memory_optimization"))
 
     def _graph_break(self) -> None:
         if self._mark_step is not None:
@@ -468,6 +531,20 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             return super().reduce(tensor, group, reduce_op)
         size = torch.distributed.get_world_size(group) if group is not None else self.world_size
         return super().reduce(tensor, group, "sum") / size
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        module = self.lightning_module
+        if self.zero_stage_3 and module is not None and any(_is_partition(p) for p in module.parameters()):
+            rank_zero_warn(
+                "ZeRO-3: after fit, the module's parameters are this rank's partitions, so `model.state_dict()`"
+                " returns empty tensors and `torch.save(model.state_dict(), ...)` saves nothing useful."
+                " For the full weights, call `trainer.save_checkpoint(path)` on every rank, then"
+                " `lightning-gaudi-ds convert path model.pt` (one fp32 file); or gather them in memory on every rank:"
+                " `with deepspeed.zero.GatheredParameters(list(model.parameters())): state = {k: v.clone() for k, v"
+                " in model.state_dict().items()}`. trainer.validate/test/predict(model) use the partitions as they are."
+            )
 
     @override
     def teardown(self) -> None:
@@ -641,6 +718,12 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         if self.load_full_weights and self.zero_stage_3:
             return super().load_checkpoint(checkpoint_path, weights_only)
         info = ckpt.validate_checkpoint(checkpoint_path, zero_stage=self.zero_stage)
+        trainer = attached_trainer(self.lightning_module)
+        if self.zero_stage_3 and trainer is not None and trainer.state.fn != TrainerFn.FITTING:
+            # DeepSpeed's loader ends by restoring an optimizer's fp32 partitions from the weights, which an
+            # evaluation engine has none of ("'DeepSpeedZeRoOffload' object has no attribute
+            # '_restore_from_bit16_weights'"): load the merged weights instead, from any number of ranks.
+            return ckpt._load_fp32_weights(self, info)
         if info.world_size == self.world_size or info.zero_stage == 0:  # stage 0: DeepSpeed's own loader
             return super().load_checkpoint(checkpoint_path, weights_only)
         return ckpt.load_resharded(self, info)
@@ -656,6 +739,11 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         for name, description, kwargs in _REGISTERED:
             strategy_registry.register(name, cls, description=description, override=True, **kwargs)
+
+
+def _is_partition(param: Tensor) -> bool:
+    """A ZeRO-3 parameter whose data is an empty placeholder (the values live in its rank's partition)."""
+    return int(getattr(param, "ds_numel", 0)) > 0 and param.numel() == 0
 
 
 def _is_mean(reduce_op: Any) -> bool:

@@ -43,6 +43,8 @@ def _attr(module: str, name: str, library: str, used_by: str) -> Any:
          "HPUDeepSpeedStrategy._init_optimizers"),
         ("lightning.pytorch.strategies.deepspeed", "remove_module_hooks",
          "HPUDeepSpeedStrategy._initialize_deepspeed_inference"),
+        ("lightning.fabric.strategies.deepspeed", "_validate_device_index_selection",
+         "HPUDeepSpeedStrategy._validate_device_indices (CUDA devices=[1] refused)"),
     ],
 )
 def test_lightning_private_names(module: str, name: str, used_by: str) -> None:
@@ -87,7 +89,8 @@ def test_deepspeed_strategy_attributes_exist() -> None:
 
 
 @pytest.mark.parametrize("name", ["setup_environment", "setup_distributed", "_initialize_deepspeed_train",
-                                  "_initialize_deepspeed_inference", "_setup_model_and_optimizer", "_init_optimizers"])
+                                  "_initialize_deepspeed_inference", "_setup_model_and_optimizer", "_init_optimizers",
+                                  "_set_deepspeed_activation_checkpointing"])
 def test_copied_lightning_methods_unchanged(name: str) -> None:
     from lightning.pytorch.strategies import DeepSpeedStrategy
 

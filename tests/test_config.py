@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from lightning_gaudi_ds import config as dsc
@@ -81,8 +82,10 @@ class TestLoad:
         assert load_config(None, environ={}) == (None, None)
 
     def test_missing_path(self, tmp_path: Path) -> None:
-        with pytest.raises(FileNotFoundError, match=r"'.*nope\.json' does not exist"):
+        # FileNotFoundError as before, and Lightning's MisconfigurationException with Lightning's wording
+        with pytest.raises(FileNotFoundError, match=r"the path does not exist: '.*nope\.json'") as err:
             load_config(tmp_path / "nope.json", environ={})
+        assert isinstance(err.value, MisconfigurationException) and isinstance(err.value, ConfigError)
         with pytest.raises(FileNotFoundError, match=rf"\(from \${dsc.ENV_VAR}=.*gone\.json\).*unset {dsc.ENV_VAR}"):
             load_config(None, environ={dsc.ENV_VAR: str(tmp_path / "gone.json")})
 
@@ -319,8 +322,12 @@ class TestResolve:
                                        strategy_args={"stage": 3, "offload_optimizer": False}), "ds.json")
         assert str(err.value).startswith("DeepSpeed config (ds.json) does not fit this Trainer: 9 problems:")
         assert problems(err) == [
-            'bf16.enabled: the config has false, Trainer(precision=\'bf16-mixed\') gives true; set it to "auto"',
-            'fp16.enabled: the config has true, Trainer(precision=\'bf16-mixed\') gives false; set it to "auto"',
+            'bf16.enabled: the config has false, Trainer(precision=\'bf16-mixed\') gives true; set it to "auto" (the'
+            " Trainer decides) or pass Trainer(precision='32-true'). Lightning's DeepSpeedStrategy would silently"
+            " train in the config's precision; HPUDeepSpeedStrategy refuses instead.",
+            'fp16.enabled: the config has true, Trainer(precision=\'bf16-mixed\') gives false; set it to "auto" (the'
+            " Trainer decides) or pass Trainer(precision='16-mixed'). Lightning's DeepSpeedStrategy would silently"
+            " train in the config's precision; HPUDeepSpeedStrategy refuses instead.",
             "zero_optimization.stage: the config has 2, HPUDeepSpeedStrategy(stage=3) gives 3; remove the key or the"
             " argument",
             'zero_optimization.offload_optimizer.device: the config has "cpu", HPUDeepSpeedStrategy(offload_optimizer='
@@ -512,13 +519,15 @@ class TestOptimizerSources:
 
     def test_both_optimizers(self) -> None:
         strategy = _wired({"optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"}}, "adamw+sched")
-        with pytest.raises(ValueError) as err:
+        with pytest.raises(MisconfigurationException) as err:
             strategy._client_optimizer_and_scheduler()
+        assert isinstance(err.value, ValueError)  # what it was before it became Lightning's type too
         assert str(err.value) == (
             "The DeepSpeed config has an `optimizer` section (AdamW) and configure_optimizers returned AdamW and an"
             " `scheduler` section (WarmupLR) and configure_optimizers returned StepLR; DeepSpeed takes each from one"
             " place. Remove the section from the config, or return nothing for it from configure_optimizers (`return"
-            " None` to use the config's optimizer)."
+            " None` to use the config's optimizer). Lightning's DeepSpeedStrategy would silently use the config's and"
+            " ignore configure_optimizers; HPUDeepSpeedStrategy refuses instead."
         )
 
     def test_no_optimizer_anywhere(self) -> None:

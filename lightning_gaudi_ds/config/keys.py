@@ -52,6 +52,7 @@ STRATEGY_ARG_KEYS: dict[str, str] = {
     "cpu_checkpointing": "activation_checkpointing.cpu_checkpointing",
     "contiguous_memory_optimization": "activation_checkpointing.contiguous_memory_optimization",
     "synchronize_checkpoint_boundary": "activation_checkpointing.synchronize_checkpoint_boundary",
+    "logging_batch_size_per_gpu": "train_micro_batch_size_per_gpu",
     "loss_scale": "fp16.loss_scale",
     "initial_scale_power": "fp16.initial_scale_power",
     "loss_scale_window": "fp16.loss_scale_window",

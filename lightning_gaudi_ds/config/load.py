@@ -16,6 +16,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
 from lightning_gaudi_ds._compat import deepspeed_removed_config_keys
 from lightning_gaudi_ds.config.keys import AUTO, AUTO_KEYS, ZERO, get, report
 
@@ -42,8 +44,13 @@ INLINE_KEYS = frozenset(
 _IDENTIFIER = re.compile(r"[a-z][a-z0-9_]*")
 
 
-class ConfigError(ValueError):
-    """A DeepSpeed config that cannot be used as given; the message lists every problem found."""
+class ConfigError(MisconfigurationException, ValueError):
+    """A DeepSpeed config, strategy argument or Trainer setting that cannot be used as given; the message lists every
+    problem found. A ``MisconfigurationException``, as Lightning raises in the same situations, and a ``ValueError``."""
+
+
+class ConfigNotFoundError(ConfigError, FileNotFoundError):
+    """The DeepSpeed config path does not exist (Lightning: ``MisconfigurationException``)."""
 
 
 # ----------------------------------------------------------------------------------------------- load
@@ -70,9 +77,9 @@ def load_config(
     source = source or str(path)
     if not path.is_file():
         where = f" (from {source})" if source != str(path) else ""
-        raise FileNotFoundError(
-            f"DeepSpeed config file {str(path)!r}{where} does not exist. Pass an existing JSON file or a dict,"
-            f" or unset {ENV_VAR}."
+        raise ConfigNotFoundError(
+            f"You passed in a path to a DeepSpeed config but the path does not exist: {str(path)!r}{where}. Pass an"
+            f" existing JSON file or a dict, or unset {ENV_VAR}."
         )
     try:
         loaded = json.loads(path.read_text(), object_pairs_hook=_no_duplicate_keys)
@@ -170,6 +177,35 @@ def validate_config(config: Mapping[str, Any], source: str = "dict") -> None:
         misplaced_auto = any('"auto" is not' in p for p in problems)
         note = f'Keys that may be "auto": {", ".join(AUTO_KEYS)}.' if misplaced_auto else ""
         raise ConfigError(report(f"DeepSpeed config ({source}) is invalid", problems, note))
+
+
+def check_activation_checkpointing(config: Mapping[str, Any], source: str = "dict") -> None:
+    """Refuse contiguous activation checkpointing that DeepSpeed would reject at the first training step.
+
+    DeepSpeed sizes its contiguous checkpoint buffers from ``number_checkpoints`` (checkpointed calls per forward
+    pass) and only partitions into them with ``partition_activations``; Lightning configures it with neither.
+    """
+    section = config.get("activation_checkpointing")
+    if not isinstance(section, Mapping) or not section.get("contiguous_memory_optimization"):
+        return
+    problems = []
+    count = section.get("number_checkpoints")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        got = "" if count is None else f" (got {count!r})"
+        problems.append(
+            "activation_checkpointing.number_checkpoints: contiguous_memory_optimization needs the number of"
+            f" deepspeed.checkpointing.checkpoint calls in one forward pass{got}, to size its buffers. Set"
+            ' "number_checkpoints": N in the config\'s activation_checkpointing section, or pass'
+            " HPUDeepSpeedStrategy(number_checkpoints=N)."
+        )
+    if not section.get("partition_activations"):
+        problems.append(
+            "activation_checkpointing.partition_activations: contiguous_memory_optimization only works with"
+            " partitioned activations; set partition_activations to true (HPUDeepSpeedStrategy("
+            "partition_activations=True)), or turn contiguous_memory_optimization off."
+        )
+    if problems:
+        raise ConfigError(report(f"DeepSpeed config ({source}): activation checkpointing", problems))
 
 
 def _unknown(key: str, known: frozenset[str], prefix: str) -> str:

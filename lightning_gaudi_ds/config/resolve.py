@@ -40,6 +40,9 @@ that is ``d_model``: embeddings are ``vocab x d``, projections ``d x k*d``). ``h
 ``"auto"`` when the config leaves them out (Lightning's own strategy always sets them from the Trainer); a micro
 batch that is left out and has no source is 1, as in Lightning (DeepSpeed only uses it for its bookkeeping then).
 
+``HPUDeepSpeedStrategy(logging_batch_size_per_gpu=N)`` sets the micro batch to ``N`` whatever the loader's batch size,
+as in Lightning: DeepSpeed only counts it for its throughput logging and ``train_batch_size``.
+
 A strategy argument passed explicitly (``HPUDeepSpeedStrategy(stage=3, config=...)``) fills its key when the config
 leaves it out or says ``"auto"``, and is a contradiction when the config sets a different value.
 """
@@ -93,12 +96,14 @@ class AutoContext:
     hidden_size: int | None = None  # see hidden_size()
     strategy_args: Mapping[str, Any] = field(default_factory=dict)  # arguments the user passed explicitly
     fitting: bool = True  # False (validate/test/predict): sourceless micro batch is 1, optimizer autos stay
+    logging_batch_size: int | None = None  # HPUDeepSpeedStrategy(logging_batch_size_per_gpu=N)
 
 
 @dataclass(frozen=True)
 class Resolved:
     config: dict[str, Any]
     filled: tuple[str, ...]  # one line per filled key: "key = value (source)"
+    notes: tuple[str, ...] = ()  # what the user should hear about once (a value that differs from the Trainer's)
 
 
 class _Resolution:
@@ -108,6 +113,7 @@ class _Resolution:
         self.cfg = copy.deepcopy(dict(config))
         self.filled: list[str] = []
         self.problems: list[str] = []
+        self.notes: list[str] = []
         # Values set by hand, in the config or by an explicit strategy argument: key -> "where it was set".
         self.origin = {key: "the config" for key in leaves(self.cfg) if get(self.cfg, key) != AUTO}
 
@@ -138,7 +144,7 @@ def resolve_config(config: Mapping[str, Any], ctx: AutoContext, source: str = "d
         section(r, ctx)
     if r.problems:
         raise ConfigError(report(f"DeepSpeed config ({source}) does not fit this Trainer", r.problems))
-    return Resolved(r.cfg, tuple(r.filled))
+    return Resolved(r.cfg, tuple(r.filled), tuple(r.notes))
 
 
 def _precision(r: _Resolution, ctx: AutoContext) -> None:
@@ -146,11 +152,19 @@ def _precision(r: _Resolution, ctx: AutoContext) -> None:
     bf16, fp16 = ctx.precision.startswith("bf16"), ctx.precision.startswith("16")
     why = f"Trainer(precision={ctx.precision!r})"
     for block, wanted in (("bf16", bf16), ("fp16", fp16)):
-        current = r.get(f"{block}.enabled")
+        key = f"{block}.enabled"
+        current = r.get(key)
         if current == AUTO or (wanted and current is MISSING):
-            r.fill(f"{block}.enabled", wanted, why)
-        else:
-            r.check(f"{block}.enabled", wanted, why)
+            r.fill(key, wanted, why)
+        elif key in r.origin and current is not MISSING and not same(current, wanted):
+            # Lightning's DeepSpeedStrategy lets the config's block win silently: the run would train in another
+            # precision than the Trainer says.
+            trainer_precision = {"bf16": "'bf16-mixed'", "fp16": "'16-mixed'"}[block] if current else "'32-true'"
+            r.problems.append(
+                f'{key}: {r.origin[key]} has {fmt(current)}, {why} gives {fmt(wanted)}; set it to "auto" (the Trainer'
+                f" decides) or pass Trainer(precision={trainer_precision}). Lightning's DeepSpeedStrategy would"
+                " silently train in the config's precision; HPUDeepSpeedStrategy refuses instead."
+            )
 
 
 def _strategy_arguments(r: _Resolution, ctx: AutoContext) -> None:
@@ -191,6 +205,16 @@ def _batch_sizes(r: _Resolution, ctx: AutoContext) -> None:
             r.problems.append(
                 'train_micro_batch_size_per_gpu: "auto" has no source: the train DataLoader has no single batch_size'
                 " (a batch_sampler without one, several loaders, or no loader). Set it in the config."
+            )
+    elif ctx.logging_batch_size is not None:
+        # As in Lightning: the argument sets DeepSpeed's micro batch, which DeepSpeed only uses for its throughput
+        # logging and batch-size bookkeeping; training still runs on the loader's batches.
+        if ctx.micro_batch_size is not None and ctx.micro_batch_size != micro:
+            r.notes.append(
+                f"DeepSpeed's train_micro_batch_size_per_gpu is {micro}"
+                f" (HPUDeepSpeedStrategy(logging_batch_size_per_gpu={ctx.logging_batch_size})), the train"
+                f" DataLoader's batch_size is {ctx.micro_batch_size}: DeepSpeed's throughput logging and its"
+                " train_batch_size count the former; training runs on the loader's batches."
             )
     elif ctx.micro_batch_size is not None:
         r.check("train_micro_batch_size_per_gpu", ctx.micro_batch_size, "the train DataLoader's batch_size")
@@ -351,10 +375,15 @@ class ConfigResolver:
         """:func:`resolve_config`, comparing a user config with the explicit strategy arguments; a fit's result is
         kept for :meth:`take_unpublished`."""
         user = self.source is not None
-        ctx = dataclasses.replace(ctx, strategy_args=self.explicit_args if user else {})
+        logging_batch = self.explicit_args.get("logging_batch_size_per_gpu")
+        ctx = dataclasses.replace(
+            ctx, strategy_args=self.explicit_args if user else {},
+            logging_batch_size=logging_batch if isinstance(logging_batch, int) else None,
+        )
         resolved = resolve_config(config, ctx, self.source or _DEFAULT_SOURCE)
         if ctx.fitting:
-            self._unpublished = (resolved, bucket_hints(config, ctx.hidden_size) if user else [])
+            hints = bucket_hints(config, ctx.hidden_size) if user else []
+            self._unpublished = (resolved, [*resolved.notes, *hints])
         return resolved.config
 
     def take_unpublished(self) -> tuple[Resolved, list[str]] | None:

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 
 from lightning_gaudi_ds._compat import _MockOptimizer, mark_step_wrapped_for_lr_scheduler
-from lightning_gaudi_ds.config import offloads_optimizer
+from lightning_gaudi_ds.config import ConfigError, offloads_optimizer
 
 if TYPE_CHECKING:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -41,7 +41,7 @@ def to_cpu_adam(optimizer: Optimizer, scheduler: Any | None = None) -> DeepSpeed
         raise TypeError(f"{type(optimizer).__qualname__} cannot be converted; only {[c.__name__ for c in CONVERTIBLE]}")
     unsupported = sorted({k for g in optimizer.param_groups for k in ("amsgrad", "maximize") if g.get(k)})
     if unsupported:
-        raise ValueError(
+        raise ConfigError(
             f"ZeRO-Offload trains with DeepSpeedCPUAdam, which has no {' / '.join(unsupported)}; configure_optimizers"
             f" returned {type(optimizer).__name__}({', '.join(f'{k}=True' for k in unsupported)}). Drop that option,"
             " or turn offload_optimizer off."
@@ -73,9 +73,9 @@ def optimizer_sources(
     """The optimizer and scheduler to hand to ``deepspeed.initialize`` besides the config's own sections.
 
     ``optimizer`` and ``scheduler_config`` are what ``configure_optimizers`` returned (Lightning's
-    ``_MockOptimizer`` when it returned None). Raises ValueError when the config and the module both supply one,
-    when neither supplies an optimizer, or when ZeRO-Offload is on and the optimizer cannot become
-    DeepSpeedCPUAdam; converts a torch Adam/AdamW under ZeRO-Offload.
+    ``_MockOptimizer`` when it returned None). Raises :class:`ConfigError` (a ``MisconfigurationException``) when
+    the config and the module both supply one, when neither supplies an optimizer, or when ZeRO-Offload is on and
+    the optimizer cannot become DeepSpeedCPUAdam; converts a torch Adam/AdamW under ZeRO-Offload.
     """
     client: Optimizer | None = None if isinstance(optimizer, _MockOptimizer) else optimizer
     both = [
@@ -85,20 +85,23 @@ def optimizer_sources(
         if section in config and obj is not None
     ]
     if both:
-        raise ValueError(
+        # Lightning's DeepSpeedStrategy silently trains with the config's and ignores configure_optimizers; training
+        # with another optimizer than the code says is worse than stopping.
+        raise ConfigError(
             f"The DeepSpeed config has an {' and an '.join(both)}; DeepSpeed takes each from one place. Remove"
             " the section from the config, or return nothing for it from configure_optimizers"
-            " (`return None` to use the config's optimizer)."
+            " (`return None` to use the config's optimizer). Lightning's DeepSpeedStrategy would silently use the"
+            " config's and ignore configure_optimizers; HPUDeepSpeedStrategy refuses instead."
         )
     if client is None and "optimizer" not in config:
-        raise ValueError(
+        raise ConfigError(
             "configure_optimizers returned None and the DeepSpeed config has no `optimizer` section, so there is"
             ' nothing to train with. Return an optimizer, or add e.g. "optimizer": {"type": "AdamW", "params":'
             ' {"lr": "auto"}} to the config.'
         )
     if client is not None and offloads_optimizer(config) and config.get("zero_force_ds_cpu_optimizer", True):
         if not is_convertible(client):
-            raise ValueError(
+            raise ConfigError(
                 f"ZeRO-Offload steps the optimizer on the CPU with DeepSpeedCPUAdam, and configure_optimizers"
                 f" returned {type(client).__qualname__}, which DeepSpeed refuses with offload. Return"
                 " torch.optim.AdamW or torch.optim.Adam (converted for you), put an `optimizer` section in the"
@@ -121,7 +124,7 @@ def single_optimizer(
     """The one optimizer and at most one scheduler DeepSpeed takes, from what ``configure_optimizers`` returned."""
     if len(optimizers) != 1 or len(schedulers) > 1:
         names = [type(o).__name__ for o in optimizers]
-        raise ValueError(
+        raise ConfigError(
             f"`configure_optimizers` returned {len(optimizers)} optimizers {names} and {len(schedulers)}"
             " schedulers; DeepSpeed takes exactly one optimizer and at most one scheduler. Return a single"
             " optimizer (use parameter groups for different settings)."

@@ -1,0 +1,133 @@
+"""Where Lightning's own DeepSpeed strategy fails and this one must not, as real multi-rank runs.
+
+``--scenario``:
+
+* ``fit``: ZeRO-3 fit, then ``trainer.save_checkpoint(<out>/zero3.ckpt)`` and validate/test/predict on the same
+  Trainer (the metrics at the end of fit); records what ``model.state_dict()`` holds after fit.
+* ``eval``: a new model and a new Trainer evaluate ``--ckpt`` (validate, test, predict with ``ckpt_path``), on
+  any number of ranks.
+* ``features``: in the same processes, fits without and with ``logging_batch_size_per_gpu`` (DeepSpeed's
+  bookkeeping batch differs from the loader's), and a model whose blocks go through DeepSpeed's activation
+  checkpointing without and with partitioned, contiguous, CPU-held checkpoints (validation included, which runs
+  forwards without backward).
+
+Each rank writes ``<out>/rank<N>.json``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from common import INPUTS, OUTPUTS, RegressionData, RegressionModel, job_parser, start_process, write_result
+from torch import nn
+
+from lightning_gaudi_ds import HPUDeepSpeedStrategy
+
+EVAL_BATCH = 16  # the same global evaluation batches on 1 and 2 ranks: 256 samples split evenly
+
+
+def _trainer(devices: int, strategy: HPUDeepSpeedStrategy, precision: str, **kwargs: Any) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, precision=precision, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        **kwargs,
+    )
+
+
+def _evaluate(trainer: L.Trainer, model: L.LightningModule, data: L.LightningDataModule,
+              ckpt_path: Optional[str] = None) -> dict[str, Any]:
+    validate = trainer.validate(model, datamodule=data, ckpt_path=ckpt_path, verbose=False)[0]
+    test = trainer.test(model, datamodule=data, ckpt_path=ckpt_path, verbose=False)[0]
+    predictions = trainer.predict(model, datamodule=data, ckpt_path=ckpt_path)
+    local = torch.cat([p.float() for p in predictions]).double()
+    sums = torch.stack([local.sum(), local.abs().sum(), torch.tensor(float(local.shape[0]), dtype=torch.float64)])
+    if trainer.world_size > 1:
+        torch.distributed.all_reduce(sums)
+    return {"val_loss": validate["val_loss"], "test_loss": test["test_loss"],
+            "predict_sum": float(sums[0]), "predict_abs_sum": float(sums[1]), "predict_rows": int(sums[2])}
+
+
+def fit_then_evaluate(args: Any) -> dict[str, Any]:
+    model = RegressionModel(optimizer="adamw")
+    data = RegressionData(batch_size=16, eval_batch_size=EVAL_BATCH // args.devices)
+    trainer = _trainer(args.devices, HPUDeepSpeedStrategy(stage=3), args.precision, max_steps=6)
+    trainer.fit(model, datamodule=data)
+    state = model.state_dict()
+    after_fit = {"state_dict_numel": sum(t.numel() for t in state.values()), "state_dict_tensors": len(state),
+                 "model_numel": sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())}
+    trainer.save_checkpoint(args.ckpt)
+    return {"after_fit": after_fit, "end_of_fit": _evaluate(trainer, model, data), "global_step": trainer.global_step}
+
+
+def evaluate_checkpoint(args: Any) -> dict[str, Any]:
+    model = RegressionModel(optimizer="adamw")
+    data = RegressionData(batch_size=16, eval_batch_size=EVAL_BATCH // args.devices)
+    trainer = _trainer(args.devices, HPUDeepSpeedStrategy(stage=3), args.precision)
+    return {"from_checkpoint": _evaluate(trainer, model, data, ckpt_path=args.ckpt), "world_size": trainer.world_size}
+
+
+class CheckpointedModel(RegressionModel):
+    """An input layer, then ``blocks`` blocks that go through ``deepspeed.checkpointing.checkpoint`` when
+    ``checkpointed`` (the first checkpointed call gets a non-leaf input, as behind a transformer's embedding)."""
+
+    def __init__(self, checkpointed: bool, blocks: int = 4, width: int = 64) -> None:
+        super().__init__(width=width, optimizer="sgd")
+        del self.net
+        self.checkpointed = checkpointed
+        self.inp = nn.Linear(INPUTS, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(blocks))
+        self.head = nn.Linear(width, OUTPUTS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import deepspeed
+
+        x = self.inp(x)
+        for block in self.blocks:
+            x = deepspeed.checkpointing.checkpoint(block, x) if self.checkpointed else block(x)
+        return self.head(x)
+
+
+def _fit_losses(args: Any, model: RegressionModel, strategy: HPUDeepSpeedStrategy) -> dict[str, Any]:
+    start_process()  # the same seed and data order for each fit
+    data = RegressionData(batch_size=16, eval_batch_size=16)
+    trainer = _trainer(args.devices, strategy, "32-true", max_steps=4, val_check_interval=2, limit_val_batches=4)
+    trainer.fit(model, datamodule=data)
+    assert isinstance(trainer.strategy.config, dict)
+    engine = trainer.strategy.model
+    return {"losses": model.step_losses, "val_loss": float(trainer.callback_metrics["val_loss"]),
+            "config": trainer.strategy.config,
+            "deepspeed_batch": {"micro": engine.train_micro_batch_size_per_gpu(), "train": engine.train_batch_size()}}
+
+
+def features(args: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    torch.manual_seed(0)
+    out["batch_default"] = _fit_losses(args, RegressionModel(width=64), HPUDeepSpeedStrategy(stage=2))
+    torch.manual_seed(0)
+    out["batch_logging_10"] = _fit_losses(
+        args, RegressionModel(width=64), HPUDeepSpeedStrategy(stage=2, logging_batch_size_per_gpu=10))
+    torch.manual_seed(0)
+    out["act_plain"] = _fit_losses(args, CheckpointedModel(False), HPUDeepSpeedStrategy(stage=2))
+    torch.manual_seed(0)
+    out["act_contiguous"] = _fit_losses(args, CheckpointedModel(True), HPUDeepSpeedStrategy(
+        stage=2, partition_activations=True, cpu_checkpointing=True, contiguous_memory_optimization=True,
+        number_checkpoints=4))
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = job_parser(__doc__)
+    parser.add_argument("--scenario", choices=("fit", "eval", "features"), required=True)
+    parser.add_argument("--ckpt", default=None, help="the ZeRO-3 checkpoint: written by `fit`, read by `eval`")
+    parser.add_argument("--precision", default="bf16-mixed")
+    args = parser.parse_args(argv)
+    start_process()
+    run = {"fit": fit_then_evaluate, "eval": evaluate_checkpoint, "features": features}[args.scenario]
+    result = run(args)
+    write_result(args.out, int(torch.distributed.get_rank()) if torch.distributed.is_initialized() else 0, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,331 @@
+"""Drop-in for Lightning's ``DeepSpeedStrategy``: the same exception types and semantics, right where Lightning fails.
+
+The intent of each case of Lightning 2.6's own DeepSpeed strategy tests that can hold on CPU, with
+``HPUDeepSpeedStrategy``: exception types, the config from a path or ``PL_DEEPSPEED_CONFIG_PATH``, precision
+choice, ``logging_batch_size_per_gpu``, the CUDA device-index check (CUDA mocked as Lightning's tests mock it),
+activation checkpointing. Where this strategy deliberately differs (config optimizer or precision that contradict
+the code), the error says so. The multiprocess tests run tests/jobs/dropin_job.py for real on 2 (and 1) CPU ranks:
+ZeRO-3 evaluation from a sharded checkpoint on a fresh Trainer, contiguous activation checkpointing,
+``logging_batch_size_per_gpu``, and the warning about ZeRO-3 parameters after fit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import lightning as L
+import lightning.fabric.accelerators.cuda
+import lightning.pytorch.accelerators.cuda
+import pytest
+import torch
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.plugins import DeepSpeedPrecision
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+
+import lightning_gaudi_ds
+from lightning_gaudi_ds import ConfigError, HPUDeepSpeedStrategy
+from lightning_gaudi_ds.config import AutoContext, ConfigResolver, resolve_config
+from tests.procs import JOBS, run_job
+
+LIGHTNING_STYLE_CONFIG = {  # the shape of the config Lightning's tests use
+    "optimizer": {"type": "SGD", "params": {"lr": 3e-5}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-5, "warmup_num_steps": 100}},
+}
+
+
+def _mock_cuda(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    """As Lightning's tests_pytorch conftest mocks CUDA devices."""
+    monkeypatch.setattr(lightning.fabric.accelerators.cuda, "num_cuda_devices", lambda: count)
+    monkeypatch.setattr(lightning.pytorch.accelerators.cuda, "num_cuda_devices", lambda: count)
+
+
+def _trainer(**kwargs: Any) -> L.Trainer:
+    return L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+
+
+def _resolve(config: dict[str, Any], **ctx: Any) -> dict[str, Any]:
+    return resolve_config(config, AutoContext(**ctx)).config
+
+
+# --------------------------------------------------------------------------------- strategy and config
+@pytest.mark.parametrize("strategy", ["hpu_deepspeed", HPUDeepSpeedStrategy])
+def test_strategy_by_name_or_instance(strategy: Any) -> None:
+    trainer = _trainer(accelerator="cpu", fast_dev_run=True, strategy=strategy if isinstance(strategy, str) else strategy())
+    assert isinstance(trainer.strategy, HPUDeepSpeedStrategy)
+    assert trainer.strategy.parallel_devices == [torch.device("cpu")]
+
+
+def test_config_from_env_path_with_a_strategy_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(LIGHTNING_STYLE_CONFIG))
+    monkeypatch.setenv("PL_DEEPSPEED_CONFIG_PATH", str(path))
+    assert HPUDeepSpeedStrategy().config == LIGHTNING_STYLE_CONFIG
+    trainer = _trainer(accelerator="cpu", fast_dev_run=True, strategy="hpu_deepspeed")
+    assert trainer.strategy.config == LIGHTNING_STYLE_CONFIG
+
+
+def test_defaults_build_a_zero_config() -> None:
+    assert isinstance(HPUDeepSpeedStrategy().config["zero_optimization"], dict)
+
+
+def test_missing_config_path_is_a_misconfiguration() -> None:
+    with pytest.raises(MisconfigurationException, match="path to a DeepSpeed config but the path does not exist") as err:
+        HPUDeepSpeedStrategy(config="invalid_path.json")
+    assert isinstance(err.value, FileNotFoundError) and isinstance(err.value, lightning_gaudi_ds.ConfigNotFoundError)
+    assert "'invalid_path.json'. Pass an existing JSON file or a dict, or unset PL_DEEPSPEED_CONFIG_PATH" in str(err.value)
+
+
+def test_precision_plugin_on_mocked_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    _mock_cuda(monkeypatch, 1)
+    trainer = _trainer(fast_dev_run=True, accelerator="gpu", strategy="hpu_deepspeed", precision="16-mixed")
+    assert isinstance(trainer.strategy, HPUDeepSpeedStrategy)
+    assert isinstance(trainer.strategy.precision_plugin, DeepSpeedPrecision)
+    assert trainer.strategy.precision_plugin.precision == "16-mixed"
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: HPUDeepSpeedStrategy(stage=5), r"stage=5\)` is not a ZeRO stage"),
+        (lambda: HPUDeepSpeedStrategy(stage=2, offload_parameters=True), "parameter offload needs ZeRO stage 3"),
+        (lambda: HPUDeepSpeedStrategy(config={"zero_optimization": {"stage": 7}}), "is not a ZeRO stage"),
+    ],
+)
+def test_bad_arguments_and_configs_are_misconfigurations(make: Any, match: str) -> None:
+    with pytest.raises(MisconfigurationException, match=match) as err:
+        make()
+    assert isinstance(err.value, ValueError)  # what callers caught before
+
+
+def test_error_classes_are_lightnings_types_too() -> None:
+    from lightning_gaudi_ds import CheckpointError, CheckpointNotFoundError, ConfigNotFoundError
+
+    assert issubclass(ConfigError, MisconfigurationException) and issubclass(ConfigError, ValueError)
+    assert issubclass(ConfigNotFoundError, FileNotFoundError) and issubclass(ConfigNotFoundError, ConfigError)
+    assert issubclass(CheckpointError, ValueError) and issubclass(CheckpointNotFoundError, FileNotFoundError)
+
+
+def test_gradient_clipping_by_value_is_a_misconfiguration() -> None:
+    trainer = _trainer(accelerator="cpu", strategy=HPUDeepSpeedStrategy(), gradient_clip_algorithm="value",
+                       gradient_clip_val=0.5)
+    model = BoringModel()
+    model.trainer = trainer
+    trainer.strategy.connect(model)
+    with pytest.raises(MisconfigurationException, match="does not support clipping gradients by value") as err:
+        trainer.strategy.setup_environment()  # before the process group starts
+    assert "gradient_clip_algorithm='norm'" in str(err.value) and isinstance(err.value, ValueError)
+
+
+# ------------------------------------------------- where this strategy refuses what Lightning silently takes
+def test_config_precision_block_contradicting_the_trainer_says_how_lightning_differs() -> None:
+    with pytest.raises(MisconfigurationException) as err:
+        _resolve({"bf16": {"enabled": True}}, precision="32-true")
+    message = str(err.value)
+    assert "bf16.enabled: the config has true, Trainer(precision='32-true') gives false" in message
+    assert "Trainer(precision='bf16-mixed')" in message and "Lightning's DeepSpeedStrategy would silently" in message
+
+
+@pytest.mark.parametrize(("block", "precision"), [("bf16", "bf16-mixed"), ("fp16", "16-mixed")])
+def test_config_precision_block_agreeing_with_the_trainer(block: str, precision: str) -> None:
+    assert _resolve({block: {"enabled": True}}, precision=precision)[block]["enabled"] is True
+
+
+# -------------------------------------------------------------------------------- logging_batch_size_per_gpu
+def _resolved_with(strategy: HPUDeepSpeedStrategy, loader_batch: int | None, world_size: int = 2) -> dict[str, Any]:
+    resolver: ConfigResolver = strategy._resolver
+    start = resolver.start(strategy.config, hidden=None)
+    return resolver.resolve(start, AutoContext(world_size=world_size, micro_batch_size=loader_batch))
+
+
+@pytest.mark.parametrize(("value", "loader_batch", "expected"), [("auto", 16, 16), (10, 16, 10), ("auto", 1, 1),
+                                                                 (10, 1, 10)])
+def test_logging_batch_size_sets_deepspeeds_micro_batch(value: Any, loader_batch: int, expected: int) -> None:
+    strategy = HPUDeepSpeedStrategy(logging_batch_size_per_gpu=value, zero_optimization=False)
+    config = _resolved_with(strategy, loader_batch)
+    assert config["train_micro_batch_size_per_gpu"] == expected
+    resolved, hints = strategy._resolver.take_unpublished()
+    differs = expected != loader_batch
+    assert len(resolved.notes) == int(differs) and hints[: len(resolved.notes)] == list(resolved.notes)
+    if differs:
+        assert resolved.notes[0].startswith(f"DeepSpeed's train_micro_batch_size_per_gpu is {expected}"
+                                            f" (HPUDeepSpeedStrategy(logging_batch_size_per_gpu={expected}))")
+        assert f"DataLoader's batch_size is {loader_batch}" in resolved.notes[0]
+
+
+def test_logging_batch_size_fills_a_user_configs_auto_and_contradicts_its_number() -> None:
+    filled = HPUDeepSpeedStrategy(logging_batch_size_per_gpu=10, config={"train_micro_batch_size_per_gpu": "auto"})
+    assert _resolved_with(filled, 16)["train_micro_batch_size_per_gpu"] == 10
+    clash = HPUDeepSpeedStrategy(logging_batch_size_per_gpu=10, config={"train_micro_batch_size_per_gpu": 8})
+    with pytest.raises(MisconfigurationException, match=r"train_micro_batch_size_per_gpu: the config has 8,"
+                                                        r" HPUDeepSpeedStrategy\(logging_batch_size_per_gpu=10\)"
+                                                        r" gives 10"):
+        _resolved_with(clash, 16)
+
+
+# ------------------------------------------------------------------------------ CUDA device indices
+@pytest.mark.parametrize("device_indices", [[1], [1, 0], [0, 2], [3, 2, 1]])
+def test_cuda_device_indices_must_match_local_ranks(device_indices: list[int]) -> None:
+    strategy = HPUDeepSpeedStrategy(accelerator=mock.Mock(spec=CUDAAccelerator),
+                                    parallel_devices=[torch.device("cuda", i) for i in device_indices])
+    message = f"device indices {device_indices!r} don't match the local rank values of processes"
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        strategy.setup_distributed()
+
+
+@pytest.mark.parametrize("devices", [[1], [0, 2]])
+def test_cuda_device_indices_are_refused_when_the_trainer_is_built(monkeypatch: pytest.MonkeyPatch,
+                                                                   devices: list[int]) -> None:
+    _mock_cuda(monkeypatch, 4)
+    with pytest.raises(RuntimeError, match=re.escape(f"CUDA_VISIBLE_DEVICES={','.join(map(str, devices))}")):
+        _trainer(accelerator="cuda", devices=devices, strategy=HPUDeepSpeedStrategy())
+
+
+def test_cuda_devices_in_local_rank_order_and_devices_without_index_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    _mock_cuda(monkeypatch, 4)
+    trainer = _trainer(accelerator="cuda", devices=2, strategy=HPUDeepSpeedStrategy())
+    assert trainer.strategy.parallel_devices == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    for devices in ([torch.device("cpu")] * 2, [torch.device("hpu")] * 2):
+        HPUDeepSpeedStrategy(parallel_devices=devices)._validate_device_indices()
+
+
+# ------------------------------------------------------------------------------ activation checkpointing
+def test_activation_checkpointing_arguments_reach_the_config() -> None:
+    strategy = HPUDeepSpeedStrategy(partition_activations=True, cpu_checkpointing=True,
+                                    contiguous_memory_optimization=True, synchronize_checkpoint_boundary=True,
+                                    number_checkpoints=12)
+    section = strategy.config["activation_checkpointing"]
+    assert section["partition_activations"] and section["cpu_checkpointing"]
+    assert section["contiguous_memory_optimization"] and section["synchronize_checkpoint_boundary"]
+    assert section["number_checkpoints"] == 12
+
+
+def test_contiguous_checkpointing_without_a_count_is_refused_when_the_trainer_is_built() -> None:
+    strategy = HPUDeepSpeedStrategy(partition_activations=True, contiguous_memory_optimization=True)
+    with pytest.raises(MisconfigurationException, match=r"activation_checkpointing\.number_checkpoints:"
+                                                        r" contiguous_memory_optimization needs the number of") as err:
+        _trainer(accelerator="cpu", strategy=strategy)
+    assert '"number_checkpoints": N' in str(err.value) and "HPUDeepSpeedStrategy(number_checkpoints=N)" in str(err.value)
+
+
+def test_contiguous_checkpointing_without_partitioning_is_refused() -> None:
+    config = {"activation_checkpointing": {"contiguous_memory_optimization": True, "number_checkpoints": 4}}
+    with pytest.raises(MisconfigurationException, match=r"only works with partitioned activations; set"
+                                                        r" partition_activations to true"):
+        _trainer(accelerator="cpu", strategy=HPUDeepSpeedStrategy(config=config))
+
+
+def test_number_checkpoints_from_config_or_argument() -> None:
+    section = {"partition_activations": True, "contiguous_memory_optimization": True}
+    _trainer(accelerator="cpu", strategy=HPUDeepSpeedStrategy(
+        config={"activation_checkpointing": {**section, "number_checkpoints": 4}}))
+    strategy = HPUDeepSpeedStrategy(config={"activation_checkpointing": dict(section)}, number_checkpoints=6)
+    _trainer(accelerator="cpu", strategy=strategy)
+    assert strategy.config["activation_checkpointing"]["number_checkpoints"] == 6
+    with pytest.raises(MisconfigurationException, match=r"number_checkpoints=6\) and the DeepSpeed config's"
+                                                        r" activation_checkpointing\.number_checkpoints=4 disagree"):
+        HPUDeepSpeedStrategy(config={"activation_checkpointing": {**section, "number_checkpoints": 4}},
+                             number_checkpoints=6)
+
+
+def test_activation_checkpointing_settings_are_all_forwarded_to_deepspeed() -> None:
+    import deepspeed
+
+    strategy = HPUDeepSpeedStrategy(partition_activations=True, cpu_checkpointing=True,
+                                    contiguous_memory_optimization=True, synchronize_checkpoint_boundary=True,
+                                    number_checkpoints=3)
+    with mock.patch.object(deepspeed.checkpointing, "configure") as configure:
+        strategy._set_deepspeed_activation_checkpointing()
+    configure.assert_called_once_with(mpu_=None, partition_activations=True, contiguous_checkpointing=True,
+                                      num_checkpoints=3, checkpoint_in_cpu=True, synchronize=True, profile=None)
+
+
+# ---------------------------------------------------------------------------- ZeRO-3 parameters after fit
+def test_zero3_fit_end_warns_when_parameters_are_partitions() -> None:
+    strategy = HPUDeepSpeedStrategy(stage=3)
+    model = BoringModel()
+    strategy.connect(model)
+    strategy.on_train_end()  # full parameters: nothing to say
+    model.layer.weight.ds_numel = model.layer.weight.numel()
+    model.layer.weight.data = torch.empty(0)
+    with pytest.warns(UserWarning, match=r"ZeRO-3: after fit.*`model.state_dict\(\)` returns empty tensors") as rec:
+        strategy.on_train_end()
+    message = str(rec[0].message)
+    assert "trainer.save_checkpoint(path)" in message and "lightning-gaudi-ds convert path model.pt" in message
+    assert "deepspeed.zero.GatheredParameters" in message
+
+
+# ------------------------------------------------------------------------ real runs (2 and 1 CPU ranks)
+def _run(tmp_path: Path, name: str, *args: str, devices: int = 2) -> tuple[list[dict[str, Any]], str]:
+    out = tmp_path / name
+    result = run_job([sys.executable, str(JOBS / "dropin_job.py"), "--out", str(out), "--devices", str(devices),
+                      *args], timeout=420).check()
+    files = sorted(out.glob("rank*.json"))
+    assert len(files) == devices, result.output[-3000:]
+    return [json.loads(f.read_text()) for f in files], result.output
+
+
+@pytest.fixture(scope="module")
+def zero3_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A 2-rank ZeRO-3 bf16 fit that saves a checkpoint, then fresh Trainers evaluate it on 2 ranks and on 1."""
+    tmp = tmp_path_factory.mktemp("zero3")
+    ckpt = str(tmp / "zero3.ckpt")
+    fit, fit_output = _run(tmp, "fit", "--scenario", "fit", "--ckpt", ckpt)
+    same, _ = _run(tmp, "eval2", "--scenario", "eval", "--ckpt", ckpt)
+    other, _ = _run(tmp, "eval1", "--scenario", "eval", "--ckpt", ckpt, devices=1)
+    return {"fit": fit, "fit_output": fit_output, "same": same, "other": other}
+
+
+@pytest.mark.multiprocess
+def test_zero3_checkpoint_evaluates_on_a_fresh_trainer_as_at_the_end_of_fit(zero3_runs: dict[str, Any]) -> None:
+    end = zero3_runs["fit"][0]["end_of_fit"]
+    assert end["predict_rows"] == 256 and end["val_loss"] > 0
+    for rank in zero3_runs["same"]:  # the same 2 ranks: the same numbers
+        assert rank["world_size"] == 2 and rank["from_checkpoint"] == end
+    (one,) = zero3_runs["other"]  # 1 rank: the same model, batches summed in another order
+    assert one["world_size"] == 1
+    assert one["from_checkpoint"] == {k: pytest.approx(v, rel=1e-5) for k, v in end.items()}
+
+
+@pytest.mark.multiprocess
+def test_zero3_fit_end_says_parameters_are_partitions(zero3_runs: dict[str, Any]) -> None:
+    for rank in zero3_runs["fit"]:
+        after = rank["after_fit"]  # only parameters under ZeRO-3's persistence threshold keep their values
+        assert after["state_dict_tensors"] == 6 and after["state_dict_numel"] < after["model_numel"] / 50
+    assert zero3_runs["fit_output"].count("ZeRO-3: after fit, the module's parameters are this rank's partitions") == 1
+
+
+@pytest.fixture(scope="module")
+def feature_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], str]:
+    return _run(tmp_path_factory.mktemp("features"), "features", "--scenario", "features")
+
+
+@pytest.mark.multiprocess
+def test_logging_batch_size_is_bookkeeping_only(feature_runs: tuple[list[dict[str, Any]], str]) -> None:
+    ranks, output = feature_runs
+    for rank in ranks:
+        default, logging = rank["batch_default"], rank["batch_logging_10"]
+        assert default["deepspeed_batch"] == {"micro": 16, "train": 32}
+        assert logging["deepspeed_batch"] == {"micro": 10, "train": 20}
+        assert logging["losses"] == default["losses"] and len(logging["losses"]) == 4
+        assert logging["val_loss"] == default["val_loss"]
+    assert output.count("DeepSpeed's train_micro_batch_size_per_gpu is 10 (HPUDeepSpeedStrategy("
+                        "logging_batch_size_per_gpu=10)), the train DataLoader's batch_size is 16") == 1
+
+
+@pytest.mark.multiprocess
+def test_contiguous_activation_checkpointing_trains_as_without(feature_runs: tuple[list[dict[str, Any]], str]) -> None:
+    ranks, _ = feature_runs
+    for rank in ranks:
+        plain, contiguous = rank["act_plain"], rank["act_contiguous"]
+        section = contiguous["config"]["activation_checkpointing"]
+        assert section["contiguous_memory_optimization"] and section["number_checkpoints"] == 4
+        assert len(contiguous["losses"]) == 4 and contiguous["losses"] == plain["losses"]
+        assert contiguous["val_loss"] == plain["val_loss"]  # validation: 4 batches x 4 checkpoints, no overrun
+    assert ranks[0]["act_plain"]["losses"] != ranks[1]["act_plain"]["losses"]  # each rank saw its own batches
