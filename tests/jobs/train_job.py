@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="the model's layers are created in configure_model (ZeRO-3 builds them partitioned)")
     parser.add_argument("--offload-optimizer", action="store_true")
     parser.add_argument("--offload-parameters", action="store_true")
+    parser.add_argument("--torch-compile", action="store_true", help="compile the engine (engine.compile)")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--num-nodes", type=int, default=1)
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
             kwargs["offload_optimizer"] = True
         if args.offload_parameters:
             kwargs["offload_parameters"] = True
+        if args.torch_compile:
+            kwargs["torch_compile"] = True
         strategy: Any = HPUDeepSpeedStrategy(**kwargs)
     elif args.strategy == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
@@ -176,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
             zero_stage=int(engine.zero_optimization_stage()),
             gradient_clipping=engine.gradient_clipping(),
             gradient_accumulation_steps=engine.gradient_accumulation_steps(),
+            engine_compiled=bool(getattr(engine, "is_compiled", False)),
         )
     if not args.no_eval:
         result["validate"] = trainer.validate(model, datamodule=data, verbose=False)[0]
