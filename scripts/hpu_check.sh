@@ -4,9 +4,10 @@
 #   bash scripts/hpu_check.sh                      # inside Habana's PyTorch container
 #   PT_HPU_LAZY_MODE=1 bash scripts/hpu_check.sh   # the legacy lazy mode instead of eager + torch.compile
 # Settings (environment): HPU_CHECK_STEPS (5), HPU_CHECK_STAGES ("1 2 3"), HPU_CHECK_DEVICES (auto),
-# HPU_CHECK_PRECISION (bf16-mixed), HPU_CHECK_ACCELERATOR (hpu; "cpu" runs the same cases without a Gaudi),
-# PYTHON (python). The full output of every case goes to $HPU_CHECK_LOG (hpu_check.log); exit status 0 only when
-# every case trained its steps with finite losses.
+# HPU_CHECK_PRECISION (bf16-mixed), HPU_CHECK_TIMEOUT (seconds per case, 900: the first step compiles graphs),
+# HPU_CHECK_ACCELERATOR (hpu; "cpu" runs the same cases without a Gaudi), PYTHON (python). The full output of
+# every case goes to $HPU_CHECK_LOG (hpu_check.log). Exit status: 0 when every case trained its steps with finite
+# losses, 1 when one failed or timed out, 2 when the Gaudi stack is missing.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python}
@@ -15,6 +16,7 @@ STAGES=${HPU_CHECK_STAGES:-"1 2 3"}
 DEVICES=${HPU_CHECK_DEVICES:-auto}
 PRECISION=${HPU_CHECK_PRECISION:-bf16-mixed}
 ACCELERATOR=${HPU_CHECK_ACCELERATOR:-hpu}
+TIMEOUT=${HPU_CHECK_TIMEOUT:-900}
 LOG=${HPU_CHECK_LOG:-hpu_check.log}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -36,10 +38,20 @@ echo "== software stack" | tee -a "$LOG" >&2
 
 status=0
 for stage in $STAGES; do
-  echo "== ZeRO-$stage $PRECISION, $STEPS steps" >>"$LOG"
-  "$PY" scripts/hpu_check.py --stage "$stage" --steps "$STEPS" --devices "$DEVICES" --precision "$PRECISION" \
-      --accelerator "$ACCELERATOR" 2>>"$LOG" | tee -a "$LOG" | grep '^{"case"'
-  rc=${PIPESTATUS[0]}
-  [ "$rc" -eq 0 ] || { status=1; echo "hpu_check: ZeRO-$stage failed with exit status $rc (see $LOG)" >&2; }
+  case="zero$stage-$PRECISION"
+  echo "== $case, $STEPS steps" >>"$LOG"
+  # timeout runs a case in its own process group and signals the whole group: every rank Lightning started, too.
+  out=$(timeout --signal=TERM --kill-after=30 "$TIMEOUT" "$PY" scripts/hpu_check.py --stage "$stage" \
+        --steps "$STEPS" --devices "$DEVICES" --precision "$PRECISION" --accelerator "$ACCELERATOR" 2>>"$LOG")
+  rc=$?
+  echo "$out" >>"$LOG"
+  line=$(printf '%s\n' "$out" | grep '^{"case"' | tail -1)
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    line="{\"case\": \"$case\", \"stage\": $stage, \"ok\": false, \"error\": \"timed out after ${TIMEOUT}s\"}"
+  elif [ -z "$line" ]; then
+    line="{\"case\": \"$case\", \"stage\": $stage, \"ok\": false, \"error\": \"exit status $rc without a result line\"}"
+  fi
+  echo "$line"
+  [ "$rc" -eq 0 ] || { status=1; echo "hpu_check: $case failed (exit status $rc; see $LOG)" >&2; }
 done
 exit $status

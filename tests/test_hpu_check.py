@@ -56,3 +56,13 @@ def test_runs_a_case_on_cpu_and_prints_one_json_line(tmp_path):
     assert case["case"] == "zero3-bf16-mixed" and case["ok"] is True and case["steps"] == 2
     assert case["finite"] and case["tied_weights_kept"] and case["loss_last"] < case["loss_first"]
     assert len(lines) == 2
+
+
+@pytest.mark.multiprocess
+def test_a_case_that_runs_too_long_is_stopped_and_reported(tmp_path):
+    env = {"PYTHON": sys.executable, "HPU_CHECK_ACCELERATOR": "cpu", "HPU_CHECK_STAGES": "1", "HPU_CHECK_DEVICES": "1",
+           "HPU_CHECK_TIMEOUT": "2", "HPU_CHECK_LOG": str(tmp_path / "hpu_check.log")}
+    result = run_job(["bash", str(SCRIPT)], timeout=120, env=env)
+    assert result.returncode == 1, result.output
+    case = json.loads(next(line for line in result.output.splitlines() if line.startswith('{"case"')))
+    assert case == {"case": "zero1-bf16-mixed", "stage": 1, "ok": False, "error": "timed out after 2s"}
