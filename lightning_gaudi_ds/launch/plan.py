@@ -9,6 +9,7 @@ port and :mod:`~lightning_gaudi_ds.launch.supervise` runs the plan. Every rank r
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -103,6 +104,9 @@ def resolve(
         raise ValueError("use_mpi=True and use_deepspeed=True: pick one launcher (or neither for torchrun).")
     if isinstance(master_port, bool) or not (isinstance(master_port, int) and 0 <= master_port < 65536):
         raise ValueError(f"master_port={master_port!r}: pass a TCP port between 1 and 65535 (0: any free port).")
+    if not _seconds(stop_timeout, zero_ok=True):
+        raise ValueError(f"stop_timeout={stop_timeout!r}: pass the seconds between SIGTERM and SIGKILL when stopping"
+                         " ranks, a finite number >= 0 (default 10).")
     path = Path(hostfile).resolve() if hostfile is not None else None
     hosts = tuple(parse_hostfile(path)) if path is not None else None
     world_size = _world_size(world_size, path, hosts, node_rank, use_mpi, use_deepspeed)
@@ -114,6 +118,46 @@ def resolve(
         launcher = "python" if world_size == 1 and hosts is None else "torchrun"
     address = master_addr or (hosts[0].name if hosts and len(hosts) > 1 else "127.0.0.1")
     return LaunchSpec(launcher, world_size, address, master_port, stop_timeout, path, hosts, node_rank, hpu_mode)
+
+
+def _seconds(value: object, zero_ok: bool = False) -> bool:
+    """Whether ``value`` is a finite number of seconds (> 0, or >= 0 with ``zero_ok``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return value >= 0 if zero_ok else value > 0
+
+
+def check_script(argv: Sequence[str], cwd: Path | None = None) -> None:
+    """Refuse a user command whose script file is missing, or whose ``-m`` top-level package cannot be found,
+    before any rank starts (every rank would fail the same way)."""
+    if argv[0] == "-m":
+        if len(argv) < 2:
+            raise ValueError("-m without a module name: pass '-m package.module args...'.")
+        top = argv[1].split(".")[0]
+        import importlib.util
+
+        if importlib.util.find_spec(top) is None:
+            raise ValueError(f"module {argv[1]!r}: no module named {top!r} in this Python ({sys.executable}); install"
+                             " it, or check PYTHONPATH and the name.")
+        return
+    script = Path(cwd or Path.cwd(), argv[0])
+    if not script.is_file():
+        what = "is a directory" if script.is_dir() else "does not exist"
+        raise ValueError(f"training script {argv[0]!r} {what} (looked in {script.parent}); pass the path of a Python"
+                         " file, or '-m module' for a module.")
+
+
+def check_log_dir(log_dir: Path) -> None:
+    """Refuse a ``log_dir`` that is not a directory or cannot be created and written, before any rank starts."""
+    existing = log_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "" if existing == log_dir else f" ({existing} is a file)"
+        raise ValueError(f"log_dir={str(log_dir)!r}: not a directory{where}; pass a directory to keep per-rank logs.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"log_dir={str(log_dir)!r}: {existing} is not writable by this user; pass a directory you"
+                         " can write to.")
 
 
 def _world_size(world_size: int, hostfile: Path | None, hosts: tuple[Host, ...] | None,

@@ -72,11 +72,20 @@ class DistributedRunner:
         hpu_mode: str | None = None,
     ) -> None:
         self.command_list = [command_list] if isinstance(command_list, str) else list(command_list)
+        if not self.command_list:
+            raise ValueError("command_list=[]: nothing to run; pass at least one command, e.g. ['train.py --lr 0.1'].")
+        if timeout is not None and not plan._seconds(timeout):
+            raise ValueError(f"timeout={timeout!r}: pass the seconds after which the job is stopped, a finite number"
+                             " > 0, or None to wait for the job however long it runs.")
+        if isinstance(tail_lines, bool) or not isinstance(tail_lines, int) or tail_lines < 0:
+            raise ValueError(f"tail_lines={tail_lines!r}: pass a whole number >= 0.")
         self.commands = [plan.split_command(c) for c in self.command_list]
         self.spec = plan.resolve(world_size, hostfile, use_mpi, use_deepspeed, master_port, master_addr, node_rank,
                                  stop_timeout, hpu_mode)  # type: ignore[arg-type]  # resolve checks the value
         self.use_mpi, self.use_deepspeed = use_mpi, use_deepspeed
         self.log_dir = Path(log_dir) if log_dir is not None else None
+        if self.log_dir is not None:
+            plan.check_log_dir(self.log_dir)
         self.timeout = timeout
         self.tail_lines = tail_lines
 
@@ -159,6 +168,9 @@ class DistributedRunner:
     def run(self) -> int:
         """Run every command; return the first non-zero exit code (128+N for a rank killed by signal N), else 0."""
         self._check_launcher_installed()
+        if self.spec.hosts is None:  # on other nodes the script's path is theirs to have
+            for argv in self.commands:
+                plan.check_script(argv)
         for index, argv in enumerate(self.commands):
             code = self._run_one(argv, index)
             if code != 0:
