@@ -128,15 +128,20 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         if cfg.n_embd % cfg.n_head:
             raise ValueError(f"n_embd={cfg.n_embd} is not a multiple of n_head={cfg.n_head}")
-        self.n_head, self.dropout = cfg.n_head, cfg.dropout
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.head_dim, self.dropout = cfg.n_embd // cfg.n_head, cfg.dropout
+        # Separate q, k, v projections, and head counts read from their outputs: DeepSpeed's tensor-parallel
+        # inference splits each of them by output rows (whole heads per rank) and ``proj`` by input columns,
+        # and this forward then runs unchanged on the rank's share of the heads (examples/generate.py).
+        self.q = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.k = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.v = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: Tensor) -> Tensor:
-        b, t, c = x.shape
-        q, k, v = (y.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for y in self.qkv(x).split(c, dim=2))
+        b, t, _ = x.shape
+        q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):

@@ -251,3 +251,10 @@ def mpirun_forward_names(environ: Mapping[str, str] = os.environ) -> list[str]:
         if key.startswith(MPI_FORWARD_PREFIXES) or key in MPI_FORWARD_NAMES
     )
 
+
+
+def wrap_in_hpu_graph(module: Any) -> Any:
+    """Record ``module``'s forward as an HPU graph and replay it on later calls (Gaudi's ``enable_cuda_graph``)."""
+    import habana_frameworks.torch.hpu as hthpu
+
+    return hthpu.wrap_in_hpu_graph(module)

@@ -1,1 +1,2 @@
-"""Building DeepSpeed engines: :mod:`.train` (optimizer sources, ZeRO-Offload's optimizer)."""
+"""Building DeepSpeed engines: :mod:`.train` (optimizer sources, ZeRO-Offload's optimizer) and :mod:`.inference`
+(``deepspeed.init_inference``: tensor-parallel predict/validate/test)."""

@@ -1,0 +1,450 @@
+"""Tensor-parallel inference with DeepSpeed's inference engine (``deepspeed.init_inference``).
+
+``trainer.predict`` / ``validate`` / ``test`` with ``HPUDeepSpeedStrategy(tensor_parallel={"tp_size": N})``: the
+module's large matrices are split across N ranks (DeepSpeed's AutoTP for model families it knows, such as Hugging
+Face Llama; an ``injection_policy`` for the user's own modules). Every rank of a tensor-parallel group computes the
+same outputs, so every rank must see the same batches.
+
+Everything here works on plain values (settings, a module, a world size, a precision string); the strategy gathers
+them and calls in. Errors are Lightning's ``MisconfigurationException`` and name the argument to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.nn import Module
+
+log = logging.getLogger(__name__)
+
+#: Keyword arguments of ``HPUDeepSpeedStrategy`` (and keys of its config dict) that select DeepSpeed's inference
+#: engine, as lightning-habana named them.
+INFERENCE_KEYS = (
+    "tensor_parallel",
+    "dtype",
+    "replace_with_kernel_inject",
+    "injection_policy",
+    "replace_method",
+    "enable_cuda_graph",
+)
+# DeepSpeedTPConfig fields a user may set; ``tp_group``/``mpu`` are ours to build.
+_TP_KEYS = ("tp_size", "tp_grain_size", "enabled")
+_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "16": torch.float16,
+}
+_PRECISION_DTYPES: dict[str, torch.dtype] = {
+    "32-true": torch.float32, "32": torch.float32,
+    "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
+    "16-mixed": torch.float16, "16-true": torch.float16,
+}
+InjectionPolicy = dict[type, tuple[str, ...]]
+_EXAMPLE_POLICY = 'injection_policy={Block: ("attn.proj", "mlp.2")}'
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceSettings:
+    """What the user asked of DeepSpeed's inference engine, validated (``None``: not given)."""
+
+    tp_size: int = 1
+    tp_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    dtype: Optional[torch.dtype] = None
+    replace_with_kernel_inject: bool = False
+    injection_policy: Optional[InjectionPolicy] = None
+    replace_method: Optional[str] = None
+    enable_cuda_graph: bool = False
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.tp_size > 1
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+def split_config(config: Optional[Mapping[str, Any]]) -> tuple[Optional[dict[str, Any]], dict[str, Any]]:
+    """``(config without the inference keys, the inference keys)``: the rest is a DeepSpeed training config."""
+    if config is None:
+        return None, {}
+    rest = {k: v for k, v in config.items() if k not in INFERENCE_KEYS}
+    return rest, {k: config[k] for k in INFERENCE_KEYS if k in config}
+
+
+def settings_from(args: Mapping[str, Any], config_part: Mapping[str, Any]) -> Optional[InferenceSettings]:
+    """Merge the strategy's keyword arguments with the same keys from its config; ``None`` if neither sets any.
+
+    A key given in both places with different values is a contradiction: all of them are reported in one error.
+    """
+    given = {k: v for k, v in args.items() if k in INFERENCE_KEYS and v is not None}
+    clashes = [
+        f"{key}: argument {given[key]!r}, config {config_part[key]!r}"
+        for key in INFERENCE_KEYS
+        if key in given and key in config_part and not _same_setting(key, given[key], config_part[key])
+    ]
+    if clashes:
+        raise MisconfigurationException(
+            "HPUDeepSpeedStrategy: the inference settings contradict the DeepSpeed config:\n  "
+            + "\n  ".join(clashes) + "\nSet each in one place (argument or config), or give both the same value."
+        )
+    merged = {**config_part, **given}
+    if not merged:
+        return None
+    tp = _tensor_parallel(merged.get("tensor_parallel"))
+    dtype = parse_dtype(merged["dtype"], "dtype") if merged.get("dtype") is not None else None
+    policy = parse_injection_policy(merged.get("injection_policy"))
+    kernel_inject = _flag(merged, "replace_with_kernel_inject")
+    if policy and kernel_inject:
+        raise MisconfigurationException(
+            "HPUDeepSpeedStrategy: `injection_policy` and `replace_with_kernel_inject=True` exclude each other"
+            " (DeepSpeed either splits your modules with the policy or swaps in its own fused kernels)."
+            " Drop one of them."
+        )
+    replace_method = merged.get("replace_method")
+    if replace_method not in (None, "auto"):
+        raise MisconfigurationException(
+            f"HPUDeepSpeedStrategy(replace_method={replace_method!r}): DeepSpeed only knows 'auto' (and no longer"
+            " needs it). Remove the argument."
+        )
+    return InferenceSettings(
+        tp_size=tp.pop("tp_size", 1),
+        tp_options=tp,
+        dtype=dtype,
+        replace_with_kernel_inject=kernel_inject,
+        injection_policy=policy,
+        replace_method=replace_method,
+        enable_cuda_graph=_flag(merged, "enable_cuda_graph"),
+    )
+
+
+def _same_setting(key: str, a: Any, b: Any) -> bool:
+    try:
+        if key == "dtype":
+            return parse_dtype(a, key) == parse_dtype(b, key)
+        if key == "injection_policy":
+            return parse_injection_policy(a) == parse_injection_policy(b)
+        if key == "tensor_parallel":
+            return _tensor_parallel(a) == _tensor_parallel(b)
+    except MisconfigurationException:
+        return False
+    return bool(a == b)
+
+
+def _flag(settings: Mapping[str, Any], key: str) -> bool:
+    value = settings.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise MisconfigurationException(f"HPUDeepSpeedStrategy({key}={value!r}): expected True or False.")
+    return value
+
+
+def _tensor_parallel(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {"tp_size": 1}
+    if not isinstance(value, Mapping):
+        raise MisconfigurationException(
+            f"HPUDeepSpeedStrategy(tensor_parallel={value!r}): expected a dict such as {{'tp_size': 2}}."
+        )
+    unknown = sorted(set(value) - set(_TP_KEYS))
+    if unknown:
+        raise MisconfigurationException(
+            f"HPUDeepSpeedStrategy(tensor_parallel={dict(value)!r}): unknown key(s) {unknown}; allowed:"
+            f" {', '.join(_TP_KEYS)}. The tensor-parallel group is built by the strategy (one group of all ranks)."
+        )
+    size = value.get("tp_size", 1)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise MisconfigurationException(
+            f"HPUDeepSpeedStrategy(tensor_parallel={{'tp_size': {size!r}}}): tp_size must be a positive integer"
+            " (the number of ranks each model is split across)."
+        )
+    if value.get("enabled") is False:
+        size = 1
+    return {**{k: v for k, v in value.items() if k != "enabled"}, "tp_size": size}
+
+
+def parse_dtype(value: Any, where: str = "dtype") -> torch.dtype:
+    """A ``torch.dtype`` from a dtype or its name (``"bf16"``, ``"torch.bfloat16"``, ``"fp32"``, ...)."""
+    if isinstance(value, torch.dtype):
+        dtype = value
+    elif isinstance(value, str) and value.lower().removeprefix("torch.") in _DTYPES:
+        dtype = _DTYPES[value.lower().removeprefix("torch.")]
+    else:
+        dtype = None
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise MisconfigurationException(
+            f"HPUDeepSpeedStrategy({where}={value!r}): not a dtype tensor-parallel inference runs in. Allowed:"
+            " torch.float32, torch.bfloat16, torch.float16 (or 'fp32', 'bf16', 'fp16')."
+        )
+    return dtype
+
+
+def parse_injection_policy(value: Any) -> Optional[InjectionPolicy]:
+    """``{module class: (names of the linear layers whose outputs are all-reduced, ...)}``.
+
+    A class may be given as a dotted import path (``"my_pkg.model.Block"``) so that the policy can live in a YAML
+    or JSON config; a single layer name may be a string.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not value:
+        raise MisconfigurationException(
+            f"HPUDeepSpeedStrategy(injection_policy={value!r}): expected a non-empty dict mapping a module class"
+            f" (or its import path) to the names of its row-parallel linear layers, e.g. {_EXAMPLE_POLICY}."
+        )
+    policy: InjectionPolicy = {}
+    for key, names in value.items():
+        cls = _import_class(key) if isinstance(key, str) else key
+        if not (isinstance(cls, type) and issubclass(cls, Module)):
+            raise MisconfigurationException(
+                f"HPUDeepSpeedStrategy(injection_policy=...): key {key!r} is not a torch.nn.Module subclass."
+            )
+        layer_names = (names,) if isinstance(names, str) else tuple(names or ())
+        if not layer_names or not all(isinstance(n, str) and n for n in layer_names):
+            raise MisconfigurationException(
+                f"HPUDeepSpeedStrategy(injection_policy=...): {cls.__name__} maps to {names!r}; expected the names"
+                f" of linear layers inside it (a string or a list of strings), e.g. {_EXAMPLE_POLICY}."
+            )
+        policy[cls] = layer_names
+    return policy
+
+
+def _import_class(path: str) -> Any:
+    module_name, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise MisconfigurationException(
+            f"HPUDeepSpeedStrategy(injection_policy=...): cannot import {path!r} ({err}). Give the module class"
+            " itself or its full import path (package.module.Class)."
+        ) from err
+
+
+# ------------------------------------------------------------------------------------------ validation
+def check_zero_options(settings: InferenceSettings, explicit_args: Mapping[str, Any], config: Any) -> None:
+    """ZeRO settings that cannot apply to a tensor-parallel model (which must be built whole, then split)."""
+    if not settings.tensor_parallel:
+        return
+    problems = [
+        f"{name}={explicit_args[name]!r}"
+        for name in ("offload_optimizer", "offload_parameters", "remote_device")
+        if explicit_args.get(name)
+    ]
+    if explicit_args.get("stage") == 3:
+        problems.append("stage=3")
+    zero = config.get("zero_optimization") if isinstance(config, Mapping) else None
+    if isinstance(zero, Mapping) and explicit_args.get("config") is not None:
+        if zero.get("stage") == 3:
+            problems.append('config "zero_optimization.stage": 3')
+        problems += [f'config "zero_optimization.{k}"' for k in ("offload_param", "offload_optimizer") if zero.get(k)]
+    if problems:
+        raise MisconfigurationException(
+            f"HPUDeepSpeedStrategy(tensor_parallel={{'tp_size': {settings.tp_size}}}) serves a model split by"
+            f" DeepSpeed's inference engine, which ZeRO's {', '.join(problems)} cannot apply to (ZeRO-3 and offload"
+            " partition the parameters of a model being trained). Remove them for inference; weights trained with"
+            " any ZeRO stage load through `ckpt_path=`."
+        )
+
+
+def resolve_dtype(settings: InferenceSettings, precision: str) -> torch.dtype:
+    """The engine's dtype: the Trainer's precision, or ``dtype`` when it agrees with it."""
+    trainer_dtype = _PRECISION_DTYPES.get(str(precision))
+    if trainer_dtype is None:
+        raise MisconfigurationException(
+            f"Tensor-parallel inference runs in fp32, bf16 or fp16; Trainer(precision={precision!r}) is none of"
+            f" them. Use one of {', '.join(repr(p) for p in _PRECISION_DTYPES if '-' in p)}."
+        )
+    if settings.dtype is not None and settings.dtype != trainer_dtype:
+        names = {torch.float32: "32-true", torch.bfloat16: "bf16-true", torch.float16: "16-true"}
+        raise MisconfigurationException(
+            f"HPUDeepSpeedStrategy(dtype={settings.dtype}) contradicts Trainer(precision={precision!r}), which"
+            f" casts every batch to {trainer_dtype}. Drop `dtype` (the precision decides), or use"
+            f" Trainer(precision={names[settings.dtype]!r})."
+        )
+    return trainer_dtype
+
+
+def check_world(settings: InferenceSettings, world_size: int, device_type: str) -> None:
+    """tp_size against the processes the Trainer will start, and device-specific options; before any starts."""
+    tp = settings.tp_size
+    if tp > world_size:
+        raise MisconfigurationException(
+            f"HPUDeepSpeedStrategy(tensor_parallel={{'tp_size': {tp}}}) needs {tp} processes; the Trainer starts"
+            f" {world_size} (devices x num_nodes). Set Trainer(devices={tp}) or a smaller tp_size."
+        )
+    if tp > 1 and tp != world_size:
+        divides = "divides" if world_size % tp == 0 else "does not divide"
+        raise MisconfigurationException(
+            f"HPUDeepSpeedStrategy(tensor_parallel={{'tp_size': {tp}}}) with {world_size} processes ({tp} {divides}"
+            f" {world_size}): DeepSpeed's inference engine builds a single tensor-parallel group, so tp_size must"
+            f" equal the number of processes. Set Trainer(devices={tp}) (x num_nodes) or tp_size={world_size}."
+        )
+    if settings.enable_cuda_graph and device_type == "cpu":
+        raise MisconfigurationException(
+            "HPUDeepSpeedStrategy(enable_cuda_graph=True): graphs are captured on CUDA (CUDA graphs) and Gaudi (HPU"
+            " graphs), not on CPU. Remove the argument, or run on accelerator='cuda' / 'hpu'."
+        )
+    if settings.enable_cuda_graph and device_type == "cuda" and settings.tensor_parallel:
+        raise MisconfigurationException(
+            "HPUDeepSpeedStrategy(enable_cuda_graph=True) with tp_size > 1: DeepSpeed does not capture CUDA graphs"
+            " of a tensor-parallel model. Remove enable_cuda_graph, or use tp_size=1."
+        )
+    if settings.replace_with_kernel_inject and device_type == "cpu":
+        raise MisconfigurationException(
+            "HPUDeepSpeedStrategy(replace_with_kernel_inject=True): DeepSpeed's fused inference kernels are CUDA"
+            " kernels. On CPU use replace_with_kernel_inject=False (AutoTP or an injection_policy)."
+        )
+
+
+def check_splittable(model: Module, settings: InferenceSettings) -> None:
+    """Raise before DeepSpeed touches ``model`` if it cannot be split as asked (and say what to pass)."""
+    if not settings.tensor_parallel or settings.replace_with_kernel_inject:
+        return
+    if settings.injection_policy:
+        _check_policy(model, settings.injection_policy)
+        return
+    hf = _contains_transformers_model(model)
+    reason = None
+    if not hf:
+        reason = "it recognises Hugging Face transformers models only, and this model contains none"
+    else:
+        from deepspeed.module_inject.auto_tp import AutoTP
+
+        try:
+            AutoTP.tp_parser(model)
+        except AssertionError as err:
+            reason = str(err)
+    if reason:
+        raise MisconfigurationException(
+            f"DeepSpeed's AutoTP cannot split {type(_unwrap(model)).__name__} ({reason}). Pass"
+            " `HPUDeepSpeedStrategy(injection_policy={LayerClass: (names of the linear layers whose outputs are"
+            f" summed across ranks, ...)}})`, e.g. {_EXAMPLE_POLICY} for examples/train_lm.py."
+            + _policy_candidates(model)
+        )
+
+
+def _check_policy(model: Module, policy: InjectionPolicy) -> None:
+    problems = []
+    for cls, names in policy.items():
+        instances = [m for m in model.modules() if type(m) is cls]
+        if not instances:
+            problems.append(f"{cls.__name__}: the model has no module of this class")
+            continue
+        linear = {n for n, m in instances[0].named_modules() if isinstance(m, torch.nn.Linear)}
+        for name in names:
+            if not any(n == name or n.endswith("." + name) for n in linear):
+                problems.append(f"{cls.__name__}: no linear layer named {name!r} (its linear layers: {sorted(linear)})")
+    if problems:
+        raise MisconfigurationException(
+            "HPUDeepSpeedStrategy(injection_policy=...) does not match the model:\n  " + "\n  ".join(problems)
+        )
+
+
+def _policy_candidates(model: Module) -> str:
+    seen: dict[str, list[str]] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList):
+            for child in module:
+                names = [n for n, m in child.named_modules() if isinstance(m, torch.nn.Linear)]
+                if names:
+                    seen.setdefault(type(child).__name__, names)
+    return "".join(f"\n  {cls}: linear layers {names}" for cls, names in seen.items())
+
+
+def _unwrap(model: Module) -> Module:
+    inner = getattr(model, "_forward_module", None)  # Lightning's wrapper around the LightningModule
+    return inner if isinstance(inner, Module) else model
+
+
+def _contains_transformers_model(model: Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return any(isinstance(m, PreTrainedModel) for m in model.modules())
+
+
+# --------------------------------------------------------------------------------------------- engine
+def init_engine(model: Module, settings: InferenceSettings, dtype: torch.dtype, device_type: str) -> Any:
+    """``deepspeed.init_inference`` on ``model`` (after :func:`check_splittable`); returns the engine.
+
+    On Gaudi ``enable_cuda_graph`` means HPU graphs, as in lightning-habana: DeepSpeed's CUDA graph code is left
+    off and the split module is wrapped with ``habana_frameworks``' ``wrap_in_hpu_graph``.
+    """
+    import deepspeed
+
+    check_splittable(model, settings)
+    config: dict[str, Any] = {
+        "tensor_parallel": {**settings.tp_options, "tp_size": settings.tp_size},
+        "dtype": dtype,
+        "replace_with_kernel_inject": settings.replace_with_kernel_inject,
+        "enable_cuda_graph": settings.enable_cuda_graph and device_type == "cuda",
+    }
+    if settings.injection_policy:
+        config["injection_policy"] = dict(settings.injection_policy)
+    engine = deepspeed.init_inference(model, config=config)
+    if settings.enable_cuda_graph and device_type == "hpu":
+        from lightning_gaudi_ds import hpu
+
+        engine.module = hpu.wrap_in_hpu_graph(engine.module)
+    return engine
+
+
+def sampler_kwargs(world_size: int, global_rank: int, tp_size: int) -> dict[str, int]:
+    """DistributedSampler arguments: the ranks of one tensor-parallel group read the same samples."""
+    return {"num_replicas": max(1, world_size // tp_size), "rank": global_rank // tp_size}
+
+
+def parameter_numel(module: Module) -> int:
+    """Parameter elements this process holds (a tensor shared by two parameters counts once)."""
+    seen: dict[tuple[int, int], int] = {}
+    for p in module.parameters():
+        seen[(p.untyped_storage().data_ptr(), p.storage_offset())] = p.numel()
+    return sum(seen.values())
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def load_full_state_dict(path: Union[str, os.PathLike[str]]) -> dict[str, Any]:
+    """The full (unsharded, fp32) state dict of a checkpoint, as a Lightning checkpoint dict.
+
+    ``path`` is a sharded DeepSpeed checkpoint directory written by this strategy (any ZeRO stage; the shards are
+    merged in memory with DeepSpeed's ``zero_to_fp32``), or one file (``lightning-gaudi-ds convert``'s fp32 export,
+    or a plain Lightning checkpoint).
+    """
+    path = Path(path)
+    if path.is_file():
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        if "state_dict" not in checkpoint:  # a bare state dict
+            checkpoint = {"state_dict": checkpoint}
+        return checkpoint
+    if not path.is_dir():
+        raise FileNotFoundError(f"ckpt_path={str(path)!r}: no such checkpoint file or directory.")
+    tag = (path / "latest").read_text().strip() if (path / "latest").is_file() else "checkpoint"
+    shards = path / tag
+    model_states = sorted(shards.glob("*model_states.pt"))
+    if not model_states:
+        raise MisconfigurationException(
+            f"ckpt_path={str(path)!r} is a directory without DeepSpeed model states ({shards}/*model_states.pt):"
+            " pass a checkpoint saved by HPUDeepSpeedStrategy, or one file converted with `lightning-gaudi-ds convert`."
+        )
+    client = torch.load(model_states[0], map_location="cpu", weights_only=False)
+    if any(shards.glob("*optim_states.pt")) and client.get("ds_config", {}).get("zero_optimization", {}).get(
+        "stage", 0
+    ) > 0:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
+    else:  # ZeRO stage 0 (or weights only): the module's full weights are in the model states
+        state = client["module"]
+    state = {k.removeprefix("_forward_module."): v for k, v in state.items()}
+    drop = ("module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "lr_scheduler",
+            "sparse_tensor_module_names", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size",
+            "ds_config", "ds_version", "shared_params", "frozen_param_fragments")
+    checkpoint = {k: v for k, v in client.items() if k not in drop}
+    checkpoint["state_dict"] = state
+    return checkpoint
