@@ -55,6 +55,7 @@ from lightning_gaudi_ds.config import (
     check_activation_checkpointing,
     explicit_arguments,
     hidden_size,
+    load_config,
     mark_model_buckets,
     offloads_optimizer,
     shared_batch_size,
@@ -69,9 +70,9 @@ from lightning_gaudi_ds.devices import (
     move_keeping_tied_parameters,
     validate_precision,
 )
-from lightning_gaudi_ds.engine import train
+from lightning_gaudi_ds.engine import inference, train
 from lightning_gaudi_ds.launch.environments import check_launcher_world_size, resolve_environment
-from lightning_gaudi_ds.ops import prepare_startup
+from lightning_gaudi_ds.ops import SHM_MODE_ENV, prepare_startup
 from lightning_gaudi_ds.planning import choose
 from lightning_gaudi_ds.planning.auto import (
     AUTO,
@@ -129,6 +130,15 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             recommended path, and off elsewhere. Lazy mode cannot compile.
         number_checkpoints: how many ``deepspeed.checkpointing.checkpoint`` calls one forward pass makes; needed by
             ``contiguous_memory_optimization=True`` (the config's ``activation_checkpointing.number_checkpoints``).
+        tensor_parallel: ``{"tp_size": N}`` serves ``trainer.predict/validate/test`` with DeepSpeed's inference
+            engine, the model split across N ranks (N = devices x num_nodes); every rank reads the same batches.
+        dtype: the engine's dtype; by default the Trainer's precision decides (they must agree).
+        replace_with_kernel_inject: DeepSpeed's fused CUDA inference kernels instead of splitting the modules.
+        injection_policy: ``{LayerClass: ("names", "of", "row-parallel", "linears")}`` for models AutoTP does
+            not know (classes may be import paths); Hugging Face families such as Llama need none.
+        replace_method: accepted for lightning-habana compatibility (``"auto"``); DeepSpeed ignores it.
+        enable_cuda_graph: capture the forward as a CUDA graph (CUDA, tp_size 1) or an HPU graph (Gaudi).
+            These six may also be keys of ``config``; see :mod:`lightning_gaudi_ds.engine.inference`.
         **kwargs: every other argument of :class:`lightning.pytorch.strategies.DeepSpeedStrategy`, such as
             ``logging_batch_size_per_gpu`` (DeepSpeed's micro batch for its throughput logging, as in Lightning).
     """
@@ -152,6 +162,12 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         hpu_mode: hpu.Mode | None = None,
         torch_compile: bool | None = None,
         number_checkpoints: int | None = None,
+        tensor_parallel: dict[str, Any] | None = None,
+        dtype: torch.dtype | str | None = None,
+        replace_with_kernel_inject: bool | None = None,
+        injection_policy: dict[Any, Any] | None = None,
+        replace_method: str | None = None,
+        enable_cuda_graph: bool | None = None,
         **kwargs: Any,
     ) -> None:
         if hpu_mode not in (None, "eager", "lazy"):
@@ -196,6 +212,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             explicit.pop("stage")
         # Created before Lightning's __init__, which loads the config through _load_config.
         self._resolver = ConfigResolver(explicit)
+        self._inference_config: dict[str, Any] = {}  # the inference keys of `config`, set by _load_config
         # Each argument by name and `**kwargs` as such: jsonargparse (LightningCLI) follows `**kwargs` into
         # DeepSpeedStrategy's signature only when it is passed on unchanged.
         super().__init__(
@@ -219,6 +236,15 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         self._mark_step: Callable[[], None] | None = None
         self.chosen_configuration: dict[str, Any] | None = None  # stage="auto": what setup chose
         self._owns_local_size = False
+        self._inference = inference.settings_from(
+            dict(tensor_parallel=tensor_parallel, dtype=dtype, replace_with_kernel_inject=replace_with_kernel_inject,
+                 injection_policy=injection_policy, replace_method=replace_method, enable_cuda_graph=enable_cuda_graph),
+            self._inference_config,
+        )
+        if self._inference is not None:
+            zero_args = {**self._resolver.explicit_args, **({"stage": AUTO} if self._auto is not None else {})}
+            inference.check_zero_options(self._inference, zero_args, self.config)
+        self._inference_dtype: torch.dtype | None = None
 
     @property
     def torch_compile(self) -> bool:
@@ -249,6 +275,10 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         # at which a device/precision mismatch can be reported, before any process is started.
         assert self.parallel_devices is not None
         validate_precision(self.precision_plugin.precision, self.parallel_devices[0])
+        if self._inference is not None:
+            world = len(self.parallel_devices) * self.num_nodes
+            inference.check_world(self._inference, world, self.parallel_devices[0].type)
+            self._inference_dtype = inference.resolve_dtype(self._inference, self.precision_plugin.precision)
         if self._auto is not None and self._auto.device_memory is None and self.parallel_devices[0].type == "cpu":
             raise MisconfigurationException(
                 "`HPUDeepSpeedStrategy(stage='auto')` on CPU needs the memory to plan for: pass device_memory"
@@ -313,7 +343,15 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         self._validate_device_indices()
         reset_seed()
         self.set_world_ranks()
-        prepare_startup(self.device_spec.deepspeed_accelerator, self.config, self.world_size)
+        # Tensor-parallel layers all-reduce through deepspeed.comm.inference_all_reduce, which DeepSpeed's CPU shm op
+        # speeds up: load it then (unless LIGHTNING_GAUDI_DS_SHM_COMM says otherwise); training keeps it off.
+        shm_default = {SHM_MODE_ENV: "on"} if self._tensor_parallel and SHM_MODE_ENV not in os.environ else {}
+        os.environ.update(shm_default)
+        try:
+            prepare_startup(self.device_spec.deepspeed_accelerator, self.config, self.world_size)
+        finally:
+            for key in shm_default:
+                os.environ.pop(key, None)
         self._init_deepspeed_distributed()
 
     def _validate_device_indices(self) -> None:
@@ -342,6 +380,12 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     def _validate_trainer_flags(self) -> None:
         """Trainer settings DeepSpeed cannot honour, reported before the process group starts."""
         trainer = attached_trainer(self.lightning_module)
+        if self._inference is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            raise MisconfigurationException(
+                "HPUDeepSpeedStrategy(tensor_parallel=..., dtype=..., ...) serves a model with DeepSpeed's inference"
+                " engine: trainer.predict, trainer.validate and trainer.test. Train with a strategy without these"
+                " arguments (e.g. HPUDeepSpeedStrategy(stage=3)), then serve its checkpoint with `ckpt_path=`."
+            )
         if trainer is not None and trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             raise ConfigError(
                 "DeepSpeed does not support clipping gradients by value (`Trainer(gradient_clip_algorithm='value')`);"
@@ -387,6 +431,11 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def _initialize_deepspeed_inference(self, model: Module) -> None:
+        if self._inference is not None:
+            assert self._inference_dtype is not None
+            device = self.device_spec.device_type
+            self.model = inference.init_engine(model, self._inference, self._inference_dtype, device)
+            return
         # A copy of Lightning 2.6.6's DeepSpeedStrategy._initialize_deepspeed_inference with two changes: the
         # device rank comes from _deepspeed_args (CPU and HPU devices have no index), and a ZeRO-3 config without
         # `zero_allow_untested_optimizer` gets True rather than a KeyError.
@@ -559,7 +608,9 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     # hparams, model hidden size); self._resolver (config.ConfigResolver) holds the config's state.
     @override
     def _load_config(self, config: _PATH | dict[str, Any] | None) -> dict[str, Any] | None:
-        loaded = self._resolver.load(config)
+        # The inference engine's keys (tensor_parallel, dtype, ...) are not DeepSpeed training-config keys.
+        training, self._inference_config = inference.split_config(load_config(config)[0])
+        loaded = self._resolver.load(training if self._inference_config else config)
         if loaded is not None:
             rank_zero_info(f"DeepSpeed config: {self._resolver.source}")
         return loaded
@@ -713,8 +764,35 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         ckpt.on_rank_zero(self, f"Committing checkpoint {final}", lambda: ckpt.commit_save(
             staging, final, self.zero_stage, self.world_size, weights_only))
 
+    # ------------------------------------------ tensor-parallel inference (lightning_gaudi_ds.engine.inference)
+    @property
+    def _tensor_parallel(self) -> bool:
+        return self._inference is not None and self._inference.tensor_parallel
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # The inference engine splits the weights it is given: load them whole before it is built.
+        return self._inference is None
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        if self._inference is None:
+            return super().distributed_sampler_kwargs
+        return inference.sampler_kwargs(self.world_size, self.global_rank, self._inference.tp_size)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if self._inference is None:
+            return super().load_model_state_dict(checkpoint, strict)
+        assert self.lightning_module is not None
+        inference.load_weights(self.lightning_module, checkpoint, strict)
+
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        if self._inference is not None:  # any ZeRO stage's shards, merged in memory, or one converted file
+            return inference.load_full_state_dict(self.broadcast(str(checkpoint_path)))
         if self.load_full_weights and self.zero_stage_3:
             return super().load_checkpoint(checkpoint_path, weights_only)
         info = ckpt.validate_checkpoint(checkpoint_path, zero_stage=self.zero_stage)

@@ -235,8 +235,8 @@ def check_zero_options(settings: InferenceSettings, explicit_args: Mapping[str, 
         for name in ("offload_optimizer", "offload_parameters", "remote_device")
         if explicit_args.get(name)
     ]
-    if explicit_args.get("stage") == 3:
-        problems.append("stage=3")
+    if explicit_args.get("stage") in (3, "auto"):
+        problems.append(f"stage={explicit_args['stage']!r}")
     zero = config.get("zero_optimization") if isinstance(config, Mapping) else None
     if isinstance(zero, Mapping) and explicit_args.get("config") is not None:
         if zero.get("stage") == 3:
@@ -303,8 +303,8 @@ def check_world(settings: InferenceSettings, world_size: int, device_type: str) 
 
 def check_splittable(model: Module, settings: InferenceSettings) -> None:
     """Raise before DeepSpeed touches ``model`` if it cannot be split as asked (and say what to pass)."""
-    if not settings.tensor_parallel or settings.replace_with_kernel_inject:
-        return
+    if not settings.tensor_parallel or settings.replace_with_kernel_inject or is_split(model):
+        return  # a module split by an earlier predict/validate/test in this process: DeepSpeed leaves it as it is
     if settings.injection_policy:
         _check_policy(model, settings.injection_policy)
         return
@@ -361,6 +361,14 @@ def _unwrap(model: Module) -> Module:
     return inner if isinstance(inner, Module) else model
 
 
+def _transformers_config(model: Module) -> Any:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    return next((m.config for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+
+
 def _contains_transformers_model(model: Module) -> bool:
     try:
         from transformers import PreTrainedModel
@@ -379,20 +387,51 @@ def init_engine(model: Module, settings: InferenceSettings, dtype: torch.dtype, 
     import deepspeed
 
     check_splittable(model, settings)
+    # A module split by an earlier run in this process keeps its tensor-parallel layers (and their group): wrap it
+    # without splitting again, which DeepSpeed's parser would refuse (it finds no nn.Linear left to split).
+    tp_size = 1 if is_split(model) else settings.tp_size
     config: dict[str, Any] = {
-        "tensor_parallel": {**settings.tp_options, "tp_size": settings.tp_size},
+        "tensor_parallel": {**settings.tp_options, "tp_size": tp_size},
         "dtype": dtype,
         "replace_with_kernel_inject": settings.replace_with_kernel_inject,
         "enable_cuda_graph": settings.enable_cuda_graph and device_type == "cuda",
     }
-    if settings.injection_policy:
+    if settings.injection_policy and tp_size > 1:
         config["injection_policy"] = dict(settings.injection_policy)
-    engine = deepspeed.init_inference(model, config=config)
+    # AutoTP sizes each rank's share by whole key/value heads read from ``model.config`` (a Hugging Face config);
+    # without one it cuts in blocks of tp_grain_size elements, which can split a head. A LightningModule holding a
+    # transformers model has no ``config`` of its own: lend it the inner model's while DeepSpeed splits.
+    lent = _transformers_config(model) if not hasattr(model, "config") else None
+    if lent is not None:
+        model.config = lent
+    try:
+        engine = deepspeed.init_inference(model, config=config)
+    finally:
+        if lent is not None:
+            del model.config
     if settings.enable_cuda_graph and device_type == "hpu":
         from lightning_gaudi_ds import hpu
 
         engine.module = hpu.wrap_in_hpu_graph(engine.module)
     return engine
+
+
+def is_split(module: Module) -> bool:
+    """Whether DeepSpeed's tensor-parallel layers already replaced some of ``module``'s layers."""
+    from deepspeed.module_inject.layers import TensorParallel_Layer
+
+    return any(isinstance(m, TensorParallel_Layer) for m in module.modules())
+
+
+def load_weights(module: Module, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+    """Load the whole weights of :func:`load_full_state_dict` into a module that is not split yet."""
+    if is_split(module):
+        raise MisconfigurationException(
+            f"ckpt_path= with tensor parallelism: this {type(module).__name__} was already split across ranks by an"
+            " earlier trainer.predict/validate/test, and whole weights cannot be loaded into it. Pass a new instance"
+            " of the module together with ckpt_path, or leave ckpt_path out to keep the weights it has."
+        )
+    module.load_state_dict(checkpoint["state_dict"], strict=strict)
 
 
 def sampler_kwargs(world_size: int, global_rank: int, tp_size: int) -> dict[str, int]:
