@@ -448,6 +448,27 @@ def parameter_numel(module: Module) -> int:
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
+def _model_states_file(path: Path) -> tuple[Path, str]:
+    tag = (path / "latest").read_text().strip() if (path / "latest").is_file() else "checkpoint"
+    states = sorted((path / tag).glob("*model_states.pt"))
+    if not states:
+        raise MisconfigurationException(
+            f"ckpt_path={str(path)!r} is a directory without DeepSpeed model states ({path / tag}/*model_states.pt):"
+            " pass a checkpoint saved by HPUDeepSpeedStrategy, or one file converted with `lightning-gaudi-ds convert`."
+        )
+    return states[0], tag
+
+
+def checkpoint_hparams(path: Union[str, os.PathLike[str]]) -> dict[str, Any]:
+    """The LightningModule's saved hyperparameters (``save_hyperparameters``) of a sharded or single-file checkpoint,
+    without reading any optimizer shard."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"ckpt_path={str(path)!r}: no such checkpoint file or directory.")
+    file = _model_states_file(path)[0] if path.is_dir() else path
+    return dict(torch.load(file, map_location="cpu", weights_only=False).get("hyper_parameters") or {})
+
+
 def load_full_state_dict(path: Union[str, os.PathLike[str]]) -> dict[str, Any]:
     """The full (unsharded, fp32) state dict of a checkpoint, as a Lightning checkpoint dict.
 
@@ -463,15 +484,9 @@ def load_full_state_dict(path: Union[str, os.PathLike[str]]) -> dict[str, Any]:
         return checkpoint
     if not path.is_dir():
         raise FileNotFoundError(f"ckpt_path={str(path)!r}: no such checkpoint file or directory.")
-    tag = (path / "latest").read_text().strip() if (path / "latest").is_file() else "checkpoint"
-    shards = path / tag
-    model_states = sorted(shards.glob("*model_states.pt"))
-    if not model_states:
-        raise MisconfigurationException(
-            f"ckpt_path={str(path)!r} is a directory without DeepSpeed model states ({shards}/*model_states.pt):"
-            " pass a checkpoint saved by HPUDeepSpeedStrategy, or one file converted with `lightning-gaudi-ds convert`."
-        )
-    client = torch.load(model_states[0], map_location="cpu", weights_only=False)
+    states_file, tag = _model_states_file(path)
+    shards = states_file.parent
+    client = torch.load(states_file, map_location="cpu", weights_only=False)
     if any(shards.glob("*optim_states.pt")) and client.get("ds_config", {}).get("zero_optimization", {}).get(
         "stage", 0
     ) > 0:
