@@ -18,13 +18,12 @@ speed. On Gaudi add ``--trainer.accelerator hpu --trainer.precision bf16-mixed``
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.cli import LightningCLI
 from torch.utils.data import DataLoader
-
 from train_lm import ByteTokenizer, LitGPT
 
 from lightning_gaudi_ds.engine.inference import checkpoint_hparams
@@ -91,7 +90,7 @@ class GenerateCLI(LightningCLI):
         )
 
 
-def main(args: Optional[list[str]] = None) -> None:
+def main(args: list[str] | None = None) -> None:
     GenerateCLI(
         GreedyGPT,
         PromptData,

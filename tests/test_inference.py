@@ -57,3 +57,29 @@ def test_zero3_checkpoint_served_with_tp2(tmp_path):
     for r in results:
         assert r["ckpt_stage"] == 3
         assert r["diff_to_random_init"] > 1e-3, r  # the reference really is the trained weights
+
+
+def test_generate_example_same_text_on_two_ranks_as_on_one(tmp_path):
+    """examples/generate.py on the sharded checkpoint examples/train_lm.py saves: greedy text with tp_size 2 equals
+    the text one process generates, and both report tokens/s."""
+    from tests.procs import REPO
+
+    examples = REPO / "examples"
+    train = [sys.executable, str(examples / "train_lm.py"), "fit", "--config", str(examples / "configs/zero2_bf16.yaml"),
+             "--trainer.max_steps", "40", "--trainer.val_check_interval", "40", "--trainer.limit_val_batches", "1",
+             "--trainer.enable_progress_bar", "false", "--model.n_layer", "2", "--model.n_embd", "128",
+             "--model.n_head", "4", "--model.lr", "1e-2", "--data.block_size", "64", "--data.batch_size", "8",
+             "--report.sample_tokens", "0", "--trainer.default_root_dir", str(tmp_path / "runs")]
+    run_job(train, 420, cwd=tmp_path).check()
+    (ckpt,) = (tmp_path / "runs").rglob("last.ckpt")
+    texts = {}
+    for tp in (2, 1):
+        out = run_job([sys.executable, str(examples / "generate.py"), "predict", "--ckpt_path", str(ckpt),
+                       "--data.prompt", "Elizabeth", "--data.max_new_tokens", "48", "--trainer.devices", str(tp),
+                       "--trainer.strategy.init_args.tensor_parallel", f'{{"tp_size": {tp}}}'], 300, cwd=tmp_path)
+        out.check()
+        header = f"generate ({tp} x cpu, tensor parallel {tp}, 32-true)"
+        assert header in out.output, out.output[-3000:]
+        texts[tp] = out.output.split(header, 1)[1].split("\n", 1)[1].split("\n" + "-" * 78)[0]
+        assert "48 tokens in" in out.output and "tokens/s" in out.output
+    assert texts[2] == texts[1] and texts[1].startswith("Elizabeth") and len(texts[1]) > len("Elizabeth")

@@ -15,8 +15,9 @@ import dataclasses
 import importlib
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -56,10 +57,10 @@ class InferenceSettings:
 
     tp_size: int = 1
     tp_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    dtype: Optional[torch.dtype] = None
+    dtype: torch.dtype | None = None
     replace_with_kernel_inject: bool = False
-    injection_policy: Optional[InjectionPolicy] = None
-    replace_method: Optional[str] = None
+    injection_policy: InjectionPolicy | None = None
+    replace_method: str | None = None
     enable_cuda_graph: bool = False
 
     @property
@@ -68,7 +69,7 @@ class InferenceSettings:
 
 
 # ------------------------------------------------------------------------------------------------ parsing
-def split_config(config: Optional[Mapping[str, Any]]) -> tuple[Optional[dict[str, Any]], dict[str, Any]]:
+def split_config(config: Mapping[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """``(config without the inference keys, the inference keys)``: the rest is a DeepSpeed training config."""
     if config is None:
         return None, {}
@@ -76,7 +77,7 @@ def split_config(config: Optional[Mapping[str, Any]]) -> tuple[Optional[dict[str
     return rest, {k: config[k] for k in INFERENCE_KEYS if k in config}
 
 
-def settings_from(args: Mapping[str, Any], config_part: Mapping[str, Any]) -> Optional[InferenceSettings]:
+def settings_from(args: Mapping[str, Any], config_part: Mapping[str, Any]) -> InferenceSettings | None:
     """Merge the strategy's keyword arguments with the same keys from its config; ``None`` if neither sets any.
 
     A key given in both places with different values is a contradiction: all of them are reported in one error.
@@ -184,7 +185,7 @@ def parse_dtype(value: Any, where: str = "dtype") -> torch.dtype:
     return dtype
 
 
-def parse_injection_policy(value: Any) -> Optional[InjectionPolicy]:
+def parse_injection_policy(value: Any) -> InjectionPolicy | None:
     """``{module class: (names of the linear layers whose outputs are all-reduced, ...)}``.
 
     A class may be given as a dotted import path (``"my_pkg.model.Block"``) so that the policy can live in a YAML
@@ -443,7 +444,7 @@ def parameter_numel(module: Module) -> int:
     """Parameter elements this process holds (a tensor shared by two parameters counts once)."""
     seen: dict[tuple[int, int], int] = {}
     for p in module.parameters():
-        seen[(p.untyped_storage().data_ptr(), p.storage_offset())] = p.numel()
+        seen[(p.untyped_storage().data_ptr(), int(p.storage_offset()))] = p.numel()
     return sum(seen.values())
 
 
@@ -459,7 +460,7 @@ def _model_states_file(path: Path) -> tuple[Path, str]:
     return states[0], tag
 
 
-def checkpoint_hparams(path: Union[str, os.PathLike[str]]) -> dict[str, Any]:
+def checkpoint_hparams(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The LightningModule's saved hyperparameters (``save_hyperparameters``) of a sharded or single-file checkpoint,
     without reading any optimizer shard."""
     path = Path(path)
@@ -469,7 +470,7 @@ def checkpoint_hparams(path: Union[str, os.PathLike[str]]) -> dict[str, Any]:
     return dict(torch.load(file, map_location="cpu", weights_only=False).get("hyper_parameters") or {})
 
 
-def load_full_state_dict(path: Union[str, os.PathLike[str]]) -> dict[str, Any]:
+def load_full_state_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The full (unsharded, fp32) state dict of a checkpoint, as a Lightning checkpoint dict.
 
     ``path`` is a sharded DeepSpeed checkpoint directory written by this strategy (any ZeRO stage; the shards are
