@@ -258,6 +258,8 @@ def test_strategy_refuses_zero3_and_offload_with_tp():
         HPUDeepSpeedStrategy(stage=3, tensor_parallel={"tp_size": 2})
     with pytest.raises(MisconfigurationException, match="offload_optimizer=True"):
         HPUDeepSpeedStrategy(offload_optimizer=True, tensor_parallel={"tp_size": 2})
+    with pytest.raises(MisconfigurationException, match="stage='auto'"):
+        HPUDeepSpeedStrategy(stage="auto", tensor_parallel={"tp_size": 2})
 
 
 def test_tp_size_and_precision_checked_when_the_trainer_is_built():
