@@ -287,6 +287,7 @@ def test_distributed_runner_is_exported() -> None:
     assert lightning_gaudi_ds.DistributedRunner is DistributedRunner
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("argv", [["--help"], ["spawn", "--help"]], ids=["help", "spawn-help"])
 def test_cli_help_imports_neither_torch_nor_deepspeed(argv: list[str]) -> None:
     """The console script's start-up: the package, the CLI and spawn's parser load without the heavy stack."""

@@ -297,6 +297,7 @@ def test_cli_table_and_model_source(capsys):
     assert "activations: not included" in out
 
 
+@pytest.mark.multiprocess
 def test_cli_plan_help_imports_no_torch():
     import subprocess
     import sys
