@@ -143,15 +143,15 @@ class LiveJob:
         return "\n".join(line for _, line in self.lines)
 
     def wait_for(self, text: str, timeout: float = 300, count: int = 1) -> float:
-        """Time (monotonic) of the ``count``-th output line containing ``text``; fails on time-out or early exit."""
+        """Time (monotonic) of the ``count``-th occurrence of ``text`` in the output; fails on time-out or exit."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            hits = [t for t, line in list(self.lines) if text in line]
+            hits = self._hits(text)
             if len(hits) >= count:
                 return hits[count - 1]
             if self.proc.poll() is not None:
                 self._reader.join(timeout=5)
-                hits = [t for t, line in self.lines if text in line]
+                hits = self._hits(text)
                 if len(hits) >= count:
                     return hits[count - 1]
                 raise AssertionError(f"job exited (rc={self.proc.returncode}) before printing {text!r} x{count}:\n"
@@ -159,6 +159,11 @@ class LiveJob:
             time.sleep(0.1)
         self.kill()
         raise AssertionError(f"no {text!r} x{count} within {timeout:.0f}s; output tail:\n{self.output[-4000:]}")
+
+    def _hits(self, text: str) -> list[float]:
+        # Counted per occurrence, not per line: ranks share the launcher's stdout, and a rank's line can arrive
+        # in two writes (text, then newline) with another rank's output in between.
+        return [t for t, line in list(self.lines) for _ in range(line.count(text))]
 
     def wait(self, timeout: float = 300) -> JobResult:
         timed_out = False
