@@ -90,6 +90,62 @@ def test_precision_plugin_on_mocked_cuda(monkeypatch: pytest.MonkeyPatch) -> Non
     assert trainer.strategy.precision_plugin.precision == "16-mixed"
 
 
+def test_fp16_loss_scale_arguments_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    _mock_cuda(monkeypatch, 1)
+    strategy = HPUDeepSpeedStrategy(loss_scale=10, initial_scale_power=11, loss_scale_window=12, hysteresis=13,
+                                    min_loss_scale=14)
+    _trainer(accelerator="gpu", devices=1, precision="16-mixed", strategy=strategy)
+    strategy._format_config()
+    fp16 = strategy.config["fp16"]
+    assert fp16["enabled"] is True
+    assert (fp16["loss_scale"], fp16["initial_scale_power"], fp16["loss_scale_window"], fp16["hysteresis"],
+            fp16["min_loss_scale"]) == (10, 11, 12, 13, 14)
+
+
+def test_config_with_offload_turned_off_stays_off() -> None:
+    config = {**LIGHTNING_STYLE_CONFIG, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 2, "offload_optimizer": False}}
+    strategy = HPUDeepSpeedStrategy(config=config)
+    _trainer(accelerator="cpu", strategy=strategy)
+    strategy._format_config()
+    assert strategy.config["zero_optimization"]["offload_optimizer"] is False
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_model_sharded_context_partitions_only_under_zero3(stage: int) -> None:
+    import deepspeed
+
+    strategy = HPUDeepSpeedStrategy(stage=stage)
+    _trainer(accelerator="cpu", strategy=strategy)
+    with mock.patch.object(deepspeed.zero, "Init") as zero_init, strategy.model_sharded_context():
+        pass
+    zero_init.assert_called_once_with(enabled=stage == 3, remote_device=None, config_dict_or_path=mock.ANY)
+
+
+@pytest.mark.parametrize("platform", ["Linux", "Windows"])
+def test_distributed_environment_variables(platform: str) -> None:
+    import deepspeed
+
+    trainer = _trainer(accelerator="cpu", strategy=HPUDeepSpeedStrategy(stage=3))
+    strategy = trainer.strategy
+    keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    with mock.patch.dict("os.environ") as environ, \
+            mock.patch.object(deepspeed, "init_distributed") as init_distributed, \
+            mock.patch("platform.system", return_value=platform):
+        for key in keys:
+            environ.pop(key, None)
+        strategy._init_deepspeed_distributed()
+        seen = {key: environ.get(key) for key in keys}
+    init_distributed.assert_called_once_with("gloo", distributed_port=mock.ANY, timeout=mock.ANY)
+    if platform == "Windows":  # DeepSpeed sets them up itself there
+        assert all(value is None for value in seen.values())
+    else:
+        env = strategy.cluster_environment
+        assert seen == {"MASTER_ADDR": env.main_address, "MASTER_PORT": str(env.main_port),
+                        "RANK": str(strategy.global_rank), "WORLD_SIZE": str(strategy.world_size),
+                        "LOCAL_RANK": str(strategy.local_rank)}
+
+
 @pytest.mark.parametrize(
     ("make", "match"),
     [
@@ -329,3 +385,19 @@ def test_contiguous_activation_checkpointing_trains_as_without(feature_runs: tup
         assert len(contiguous["losses"]) == 4 and contiguous["losses"] == plain["losses"]
         assert contiguous["val_loss"] == plain["val_loss"]  # validation: 4 batches x 4 checkpoints, no overrun
     assert ranks[0]["act_plain"]["losses"] != ranks[1]["act_plain"]["losses"]  # each rank saw its own batches
+
+
+@pytest.mark.multiprocess
+def test_inherited_lightning_behaviours_hold(feature_runs: tuple[list[dict[str, Any]], str]) -> None:
+    ranks, _ = feature_runs
+    for rank in ranks:
+        scheduler = rank["scheduler"]  # the module's scheduler config survives DeepSpeed's wrapping
+        assert scheduler["name"] == "Sean" and scheduler["interval"] == "step" and scheduler["type"] == "StepLR"
+        assert scheduler["inner_optimizer"] == "SGD"
+        # Lightning refuses it before DeepSpeed's precision plugin would (its MisconfigurationException on 1 device)
+        skipped = rank["skip_backward"]
+        assert skipped["types"][0] == "RuntimeError"
+        assert "Skipping the `training_step` by returning None in distributed training is not supported" in (
+            skipped["message"])
+    assert ranks[0]["scheduler"]["monitor"] == {"Sean": [0.1, 0.05, 0.025]}
+    assert any("handles gradient clipping internally" in w for w in ranks[0]["clip_hook_warnings"])

@@ -101,6 +101,59 @@ def _fit_losses(args: Any, model: RegressionModel, strategy: HPUDeepSpeedStrateg
             "deepspeed_batch": {"micro": engine.train_micro_batch_size_per_gpu(), "train": engine.train_batch_size()}}
 
 
+class NamedSchedulerModel(RegressionModel):
+    """``configure_optimizers`` returns a scheduler config with a name and an interval, which must survive."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "name": "Sean", "interval": "step"}}
+
+
+class ClipHookModel(RegressionModel):
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: Any = None) -> None:
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+
+class SkipsBackwardModel(RegressionModel):
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        return None
+
+
+def lightning_behaviours(args: Any) -> dict[str, Any]:
+    """Behaviours of Lightning's DeepSpeedStrategy this one inherits, checked on real engines."""
+    import warnings
+
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    out: dict[str, Any] = {}
+    start_process()
+    monitor = LearningRateMonitor()
+    model = NamedSchedulerModel(width=64)
+    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=HPUDeepSpeedStrategy(stage=2),
+                        max_steps=3, limit_val_batches=0, logger=CSVLogger(args.out), callbacks=[monitor],
+                        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(model, datamodule=RegressionData(batch_size=16))
+    config = trainer.lr_scheduler_configs[0]
+    out["scheduler"] = {"name": config.name, "interval": config.interval, "type": type(config.scheduler).__name__,
+                        "monitor": {k: [float(v) for v in vs] for k, vs in monitor.lrs.items()},
+                        "inner_optimizer": type(getattr(trainer.optimizers[0], "optimizer", None)).__name__}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _trainer(args.devices, HPUDeepSpeedStrategy(stage=2), "32-true", max_steps=1, limit_val_batches=0)
+        trainer.fit(ClipHookModel(width=64), datamodule=RegressionData(batch_size=16))
+    out["clip_hook_warnings"] = [str(w.message) for w in caught if "gradient clipping" in str(w.message)]
+    trainer = _trainer(args.devices, HPUDeepSpeedStrategy(stage=2), "32-true", max_steps=1, limit_val_batches=0)
+    try:
+        trainer.fit(SkipsBackwardModel(width=64), datamodule=RegressionData(batch_size=16))
+    except Exception as err:  # noqa: BLE001  (recorded for the test to check its type and message)
+        out["skip_backward"] = {"types": [c.__name__ for c in type(err).__mro__], "message": str(err)}
+    return out
+
+
 def features(args: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     torch.manual_seed(0)
@@ -114,6 +167,7 @@ def features(args: Any) -> dict[str, Any]:
     out["act_contiguous"] = _fit_losses(args, CheckpointedModel(True), HPUDeepSpeedStrategy(
         stage=2, partition_activations=True, cpu_checkpointing=True, contiguous_memory_optimization=True,
         number_checkpoints=4))
+    out.update(lightning_behaviours(args))
     return out
 
 
