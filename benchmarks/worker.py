@@ -109,6 +109,7 @@ class MemoryProbe(L.Callback):
         self.heap: Any = None  # planner benchmark: C-heap peak over the census step (all of the rank's memory)
         self.heap_peak: Optional[int] = None
         self.heap_step_start: Optional[int] = None
+        self.heap_peak_op = ""
 
     def _take(self, trainer: L.Trainer, pl_module: L.LightningModule, point: str) -> None:
         engine = engine_of(trainer)
@@ -174,7 +175,7 @@ class MemoryProbe(L.Callback):
                            batch_idx: int) -> None:
         if self.heap is not None:
             self.heap.__exit__(None, None, None)
-            self.heap_peak, self.heap = self.heap.peak, None
+            self.heap_peak, self.heap_peak_op, self.heap = self.heap.peak, self.heap.peak_op, None
         self.comm_steps.append(delta(self.counter.snapshot(), self._comm0))
         self.comm_steps[-1]["detail"] = list(self.counter.detail)
         self.counter.detail.clear()
@@ -234,6 +235,7 @@ def run_memory(case: Case, rank: int, world: int) -> dict[str, Any]:
         "heap_start": heap_start,
         "heap_peak": probe.heap_peak,
         "heap_step_start": probe.heap_step_start,
+        "heap_peak_op": probe.heap_peak_op,
         "fit_s": time.perf_counter() - t0,
         "config": copy.deepcopy(getattr(trainer.strategy, "config", None)),
     }

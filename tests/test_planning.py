@@ -51,6 +51,9 @@ def test_model_states_match_the_tensors_deepspeed_held(arm, precision):
     assert row["model_state_bytes"] / psi == pytest.approx(m["peak_bpp"], rel=0.01)
     assert row["device_model_state_bytes"] / psi == pytest.approx(m["device_bpp"], abs=0.01)
     assert row["host_bytes_per_rank"] / psi == pytest.approx(m["host_bpp"], abs=0.01)
+    # before the fp32 gradient exists (backward, the step's entry): the census at the entry
+    at_rest = row["backward_peak_bytes"] - row["transient_bytes"] + row["host_bytes_per_rank"]
+    assert at_rest / psi == pytest.approx(m["entry_bpp"], rel=0.01)
 
 
 @pytest.mark.parametrize("n", [1, 2, 8, 64])
@@ -76,6 +79,24 @@ def test_formulas_in_bytes_per_parameter(n):
     assert (dev.total, host.total) == (pytest.approx(2 / n), pytest.approx(18 / n))
     # SGD with momentum keeps 4 bytes of state instead of Adam's 8
     assert model_states(2, "bf16-mixed", n, optimizer="sgd")[0].total == pytest.approx(2 + 12 / n)
+
+
+def test_the_optimizer_step_and_backward_are_apart():
+    spec = ModelSpec(params=8_000_000, hidden_size=1000, param_numels=(1_000_000,) * 8)
+    rows = {(r["stage"], r["offload_optimizer"]): r for r in plan_memory(spec, devices=4)}
+    # Adam's two fp32 temporaries: of the flat partition (ZeRO-1/2/3), of the largest parameter (ZeRO-0)
+    assert rows[(1, False)]["step_temporary_bytes"] == 8 * 2_000_000
+    assert rows[(0, False)]["step_temporary_bytes"] == 8 * 1_000_000
+    assert rows[(2, True)]["step_temporary_bytes"] == 0  # DeepSpeed's CPU Adam steps on the host
+    (sgd,) = plan_memory(spec, devices=4, optimizer="sgd", configurations=[(1, False, False)])
+    assert sgd["step_temporary_bytes"] == 0
+    for row in rows.values():
+        assert row["device_bytes"] == max(row["backward_peak_bytes"], row["step_peak_bytes"])
+        assert row["step_peak_bytes"] == row["device_model_state_bytes"] + row["step_temporary_bytes"]
+    # more than one parameter group keeps ZeRO-1/2's low-precision gradient buffer through the step
+    (one,) = plan_memory(spec, devices=4, configurations=[(2, False, False)])
+    (two,) = plan_memory(spec, devices=4, param_groups=2, configurations=[(2, False, False)])
+    assert two["model_state_bytes"] - one["model_state_bytes"] == 2 * 8_000_000 / 4
 
 
 def test_frozen_parameters_hold_only_their_copy():
@@ -134,9 +155,11 @@ def test_activations_are_added_to_the_device_side():
 
 # ------------------------------------------------------------------------------------------ the choice
 def test_choice_takes_the_lowest_stage_without_offload_first():
-    # 1e9 parameters on 8 ranks, bf16-mixed, Adam, Lightning's 2e8-element buckets: ZeRO-0 20 GB, ZeRO-1
-    # 4 GB + 1.6 GB of fp32 buckets, ZeRO-3 2.5 GB + 0.5 GB, ZeRO-3 with the optimizer offloaded 0.75 GB
-    for memory, expected in (("24GiB", (0, False)), ("8GiB", (1, False)), ("4GiB", (3, False)), ("2GiB", (3, True))):
+    # 1e9 parameters on 8 ranks, bf16-mixed, Adam, Lightning's 2e8-element buckets; the larger of backward and
+    # step: ZeRO-0 20 GB (step), ZeRO-1/2 5.0 GB (4 GB + Adam's 1 GB of temporaries), ZeRO-3 3.9 GB (2.5 + 0.4
+    # bucket + 1), ZeRO-1/2 + offload 2.8 GB (backward: 2 GB + 0.8 GB of buckets), ZeRO-3 + offload 0.75 GB
+    for memory, expected in (("24GiB", (0, False)), ("8GiB", (1, False)), ("5GiB", (3, False)), ("4GiB", (1, True)),
+                             ("2GiB", (3, True))):
         rows = plan_memory(1e9, devices=8, device_memory=memory, host_memory="512GiB")
         chosen = choose(rows)
         assert (chosen["stage"], chosen["offload_optimizer"]) == expected, memory

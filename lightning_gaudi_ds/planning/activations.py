@@ -57,12 +57,13 @@ class HostPeak(TorchDispatchMode):
             reader = lambda: int(process.memory_info().rss)  # noqa: E731  (coarser: freed memory may stay)
         self._read = reader
         self.start = self.peak = reader()
+        self.peak_op = ""  # the operator after which the peak was seen
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         now = self._read()
         if now > self.peak:
-            self.peak = now
+            self.peak, self.peak_op = now, str(func)
         return out
 
     @property

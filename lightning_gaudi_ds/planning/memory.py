@@ -130,7 +130,7 @@ class PlanRow:
     stage: int
     offload_optimizer: bool
     offload_parameters: bool
-    device_bytes: int  # per rank: model states at their peak + transient buffers + activations (when known)
+    device_bytes: int  # per rank: the larger of backward_peak_bytes and step_peak_bytes
     host_bytes: int  # per node: the offloaded states of every rank on it
     fits: bool | None  # None when the device memory is unknown
     fits_device: bool | None
@@ -140,6 +140,9 @@ class PlanRow:
     host_bytes_per_rank: int
     transient_bytes: int  # reduce buckets, ZeRO-3 gathered / persistent parameters
     activation_bytes: int | None
+    step_temporary_bytes: int  # the torch optimizer's own temporaries during its update
+    backward_peak_bytes: int  # device: states at the step's entry + transient + activations
+    step_peak_bytes: int  # device: states inside the step + the optimizer's temporaries
     comm_bytes: int  # sent per rank per optimizer step (ring collectives)
     device_parts: dict[str, int] = field(default_factory=dict)
     host_parts: dict[str, int] = field(default_factory=dict)
@@ -188,10 +191,13 @@ def model_states(
     offload_parameters: bool = False,
     optimizer: str = "adamw",
     frozen_fraction: float = 0.0,
+    param_groups: int = 1,
 ) -> tuple[Parts, Parts]:
     """(device, host) bytes per trainable parameter per rank at the optimizer step's peak.
 
     ``frozen_fraction``: frozen parameters per trainable one; they hold their low-precision copy only.
+    ``param_groups``: the optimizer's parameter groups. ZeRO-1/2 step one group at a time, and their
+    low-precision gradient partitions share one buffer, which lives until the last group has stepped.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage={stage!r} is not a ZeRO stage. Allowed: 0, 1, 2, 3")
@@ -214,11 +220,41 @@ def model_states(
         dev.params = p * (1 + frozen_fraction)
         if offload_optimizer:
             host.buffers = p / n  # param_buffer_of_bit16_for_cpu_offload_groups
+        elif param_groups > 1 and half:
+            dev.grads += p / n
         return dev, host
     # stage 3: the low-precision gradient partition stays beside the fp32 one
     opt.grads += p / n
     (host if offload_parameters else dev).params = p * (1 + frozen_fraction) / n
     return dev, host
+
+
+def step_only_bytes(stage: int, precision: str, world_size: int, offload_optimizer: bool = False,
+                    param_groups: int = 1) -> float:
+    """Device bytes per trainable parameter of :func:`model_states` that exist inside the optimizer step only
+    (the fp32 gradient DeepSpeed builds there); before it, during backward, they are not allocated yet."""
+    p, n = bytes_per_param(precision), float(world_size)
+    if offload_optimizer:
+        return 0.0  # the fp32 gradient partition lives on the host for good
+    if stage == 0:
+        return 4.0 if p < 4 else 0.0
+    if stage in (1, 2):
+        return (4.0 - p) / n + (p / n if param_groups > 1 and p < 4 else 0.0)
+    return 4.0 / n
+
+
+OPTIMIZER_TEMPORARIES = {"adam": 2, "adamw": 2, "lamb": 2, "adagrad": 1, "sgd": 0}
+
+
+def step_temporary_bytes(stage: int, optimizer: str, spec: ModelSpec, world_size: int,
+                         offload_optimizer: bool = False) -> int:
+    """fp32 temporaries of the torch optimizer's update: Adam's single-tensor step (torch's default off CUDA)
+    holds ``sqrt(v)`` and ``sqrt(v) / bias_correction`` of the tensor it updates. ZeRO-1/2/3 step one flat fp32
+    partition of Ψ/N elements, ZeRO-0 one parameter at a time. DeepSpeed's CPU Adam (offload) needs none."""
+    if offload_optimizer:
+        return 0
+    elements = spec.largest_param if stage == 0 else spec.params / world_size
+    return int(4 * OPTIMIZER_TEMPORARIES.get(optimizer.lower(), 2) * elements)
 
 
 def paper_bytes_per_param(stage: int | None, precision: str, world_size: int) -> float:
@@ -266,6 +302,7 @@ def plan_memory(
     headroom: float = DEFAULT_HEADROOM,
     activation_bytes: int | None = None,
     buckets: Buckets | None = None,
+    param_groups: int = 1,
     configurations: Sequence[tuple[int, bool, bool]] = CONFIGURATIONS,
 ) -> list[dict[str, Any]]:
     """Predicted bytes per rank for ZeRO stages 0-3 with and without offload, fastest configuration first.
@@ -281,6 +318,12 @@ def plan_memory(
         activation_bytes: measured peak activation bytes of one micro batch (see
             :func:`~lightning_gaudi_ds.planning.activations.measure_activation_bytes`); ``None``: not included.
         buckets: DeepSpeed's bucket settings; default: the strategy's, sized from the model's hidden size.
+        param_groups: the optimizer's parameter groups (more than one keeps ZeRO-1/2's gradient buffer
+            through the step).
+
+    The device peak is the larger of two moments: backward (the states at the step's entry, DeepSpeed's
+    buckets and gathered parameters, the activations) and the optimizer step (the states inside it and the
+    optimizer's temporaries).
 
     Returns:
         One dict per configuration (see :class:`PlanRow`).
@@ -302,7 +345,7 @@ def plan_memory(
     p = bytes_per_param(precision)
     rows = []
     for stage, off_opt, off_par in configurations:
-        dev, host = model_states(stage, precision, world, off_opt, off_par, optimizer, frozen)
+        dev, host = model_states(stage, precision, world, off_opt, off_par, optimizer, frozen, param_groups)
         dev_parts = {k: int(round(v * psi)) for k, v in asdict(dev).items()}
         host_parts = {k: int(round(v * psi)) for k, v in asdict(host).items()}
         transient = _transient_bytes(stage, off_opt, spec, buckets, p, world)
@@ -312,7 +355,11 @@ def plan_memory(
         if stage == 3:
             dev_parts["buffers"] += int(buckets.reduce_bucket_size * p)  # ipg bucket, allocated once
         dev_states, host_states = sum(dev_parts.values()), sum(host_parts.values())
-        device_bytes = dev_states + transient + (activation_bytes or 0)
+        step_only = int(round(step_only_bytes(stage, precision, world, off_opt, param_groups) * psi))
+        temporaries = step_temporary_bytes(stage, optimizer, spec, world, off_opt)
+        backward_peak = dev_states - step_only + transient + (activation_bytes or 0)
+        step_peak = dev_states + temporaries
+        device_bytes = max(backward_peak, step_peak)
         host_node = host_states * devices
         fits_dev = None if dev_mem is None else device_bytes <= dev_mem * (1 - headroom)
         fits_host = None if host_mem is None else host_node <= host_mem * (1 - headroom)
@@ -322,6 +369,7 @@ def plan_memory(
             device_bytes=device_bytes, host_bytes=host_node, fits=fits, fits_device=fits_dev, fits_host=fits_host,
             model_state_bytes=dev_states + host_states, device_model_state_bytes=dev_states,
             host_bytes_per_rank=host_states, transient_bytes=transient, activation_bytes=activation_bytes,
+            step_temporary_bytes=temporaries, backward_peak_bytes=backward_peak, step_peak_bytes=step_peak,
             comm_bytes=int(round(comm_bytes_per_param(stage, precision, world) * psi)),
             device_parts=dev_parts, host_parts=host_parts, label=label(stage, off_opt, off_par),
         ).to_dict())
@@ -337,9 +385,8 @@ def _transient_bytes(stage: int, offload_optimizer: bool, spec: ModelSpec, b: Bu
     if stage == 0:
         return 0
     if stage in (1, 2):
-        # ZeRO-1 accumulates in fp32 buckets; a second bucket with overlap_comm
-        bucket_elem_bytes = 4.0 if stage == 1 else p
-        return int(b.reduce_bucket_size * bucket_elem_bytes * (2 if b.overlap_comm else 1))
+        # in the gradients' dtype (DeepSpeed's grad_accum_dtype default); a second bucket with overlap_comm
+        return int(b.reduce_bucket_size * p * (2 if b.overlap_comm else 1))
     persistent = spec.persistent_params(b.stage3_param_persistence_threshold) if world > 1 else 0
     gathered = min(b.stage3_max_live_parameters, b.stage3_prefetch_bucket_size + spec.largest_param)
     gathered = min(gathered, spec.total_params)
@@ -371,8 +418,11 @@ def no_fit_message(rows: Sequence[Mapping[str, Any]]) -> str:
     hints = []
     z3 = next((r for r in rows if r["stage"] == 3 and not r["offload_optimizer"]), None)
     if z3 is not None:
-        sharded = z3["device_model_state_bytes"] - int(z3["device_parts"]["buffers"])
-        fixed = z3["device_bytes"] - sharded
+        # everything but the bucket, and in backward the gathered parameters and activations, shrinks as 1/N
+        fixed = int(z3["device_parts"]["buffers"])
+        if z3["backward_peak_bytes"] >= z3["step_peak_bytes"]:
+            fixed += z3["transient_bytes"] + (z3["activation_bytes"] or 0)
+        sharded = z3["device_bytes"] - fixed
         if dev_limit > fixed and sharded > 0:
             need = int(-(-sharded * r0["world_size"] // (dev_limit - fixed)))
             hints.append(f"ZeRO-3 fits on about {need} devices of this size (devices x nodes)")
