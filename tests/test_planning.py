@@ -321,6 +321,48 @@ def test_cli_table_and_model_source(capsys):
 
 
 @pytest.mark.multiprocess
+class WithExample(Built):
+    def __init__(self, width: int, depth: int = 2) -> None:
+        super().__init__(width, depth)
+        self.example_input_array = torch.randn(64, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def test_cli_measures_activations_of_a_module_and_of_a_hf_config(tmp_path, capsys):
+    from lightning_gaudi_ds.cli import main
+
+    main(["plan", "--model", "tests.test_planning:WithExample", "--init-args", '{"width": 256}', "--devices", "2",
+          "--device-memory", "1GiB", "--host-memory", "8GiB", "--precision", "32-true", "--measure-activations",
+          "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    # at least what autograd keeps: each Linear saves its input (64 x 256 fp32)
+    assert rows[0]["activation_bytes"] >= 2 * 64 * 256 * 4
+    pytest.importorskip("transformers")
+    cfg = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    main(["plan", "--hf-config", str(tmp_path), "--measure-activations", "--batch-size", "2", "--seq-len", "32",
+          "--device-memory", "1GiB", "--host-memory", "8GiB"])
+    out = capsys.readouterr().out
+    assert "(measured, one micro batch) included" in out and "LlamaConfig" in out
+
+
+def test_lightning_cli_takes_stage_auto():
+    from jsonargparse import ArgumentParser
+
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(HPUDeepSpeedStrategy, "strategy")
+    args = parser.parse_args(["--strategy.stage=auto", "--strategy.device_memory=24GiB",
+                              "--strategy.measure_activations=true"])
+    assert (args.strategy.stage, args.strategy.device_memory, args.strategy.measure_activations) == \
+        ("auto", "24GiB", True)
+    assert parser.parse_args(["--strategy.stage=3"]).strategy.stage == 3
+
+
 def test_cli_plan_help_imports_no_torch():
     import subprocess
     import sys

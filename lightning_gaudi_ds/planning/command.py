@@ -118,6 +118,7 @@ def _measure(args: argparse.Namespace, built: Any, inputs: Any) -> int:
         module = cls(**init_args)
         if callable(getattr(module, "configure_model", None)):
             module.configure_model()
+        inputs = module.example_input_array  # the real one: the meta-built module's holds no data
     else:
         from transformers import AutoModel, AutoModelForCausalLM
 
