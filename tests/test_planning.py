@@ -432,6 +432,20 @@ def test_auto_stage_on_cpu_needs_device_memory_before_any_process_starts():
         L.Trainer(strategy=HPUDeepSpeedStrategy(stage="auto"), accelerator="cpu", devices=2)
 
 
+def test_auto_stage_with_nothing_that_fits_stops_at_setup(tmp_path):
+    """One process (no launcher): the choice is made in setup, before DeepSpeed builds anything."""
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+
+    trainer = L.Trainer(strategy=HPUDeepSpeedStrategy(stage="auto", device_memory="16B"), accelerator="cpu",
+                        devices=1, max_steps=1, logger=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    with pytest.raises(MisconfigurationException, match=r"stage='auto'.*No ZeRO configuration fits 66 parameters"):
+        trainer.fit(BoringModel())
+
+
 def test_auto_stage_counts_a_configure_model_module_on_meta():
     import lightning as L
 
@@ -466,11 +480,17 @@ def test_auto_stage_picks_zero3_when_only_it_fits(tmp_path):
     """2 ranks, bf16-mixed, AdamW, the layers built in configure_model; 2 MB per device: ZeRO-0/1/2/3 (3.9-5.6 MB)
     and ZeRO-1/2 with the optimizer offloaded (3.2, 2.1 MB) do not fit, ZeRO-3 with the optimizer offloaded
     (1.4 MB) does. Activations of one micro batch are measured on rank 0."""
-    from tests.procs import run_train_job
+    import sys
 
-    ranks = run_train_job(tmp_path, "--stage", "auto", "--device-memory", "2MB", "--measure-activations",
-                          "--build-in-configure-model", "--precision", "bf16-mixed", "--optimizer", "adamw",
-                          "--max-steps", "4", "--no-eval", timeout=400)
+    from tests.procs import JOBS, run_job
+
+    job = run_job([sys.executable, str(JOBS / "train_job.py"), "--out", str(tmp_path), "--stage", "auto",
+                   "--device-memory", "2MB", "--measure-activations", "--build-in-configure-model", "--precision",
+                   "bf16-mixed", "--optimizer", "adamw", "--max-steps", "4", "--no-eval"], timeout=400).check()
+    assert "stage='auto' chose ZeRO-3 + offload optimizer" in job.output  # logged once, with the table
+    assert job.output.count("fastest that fits") == 1 and "(measured, one micro batch) included" in job.output
+    ranks = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
+    assert len(ranks) == 2
     for rank in ranks:
         assert rank["chosen_configuration"]["stage"] == 3 and rank["chosen_configuration"]["offload_optimizer"]
         assert rank["zero_stage"] == 3 and rank["config"]["zero_optimization"]["stage"] == 3
