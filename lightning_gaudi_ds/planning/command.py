@@ -29,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", default="bf16-mixed",
                         help="Lightning precision: bf16-mixed (default), 16-mixed, bf16-true, 16-true, 32-true")
     parser.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, adagrad, lamb")
+    parser.add_argument("--param-groups", type=int, default=1,
+                        help="the optimizer's parameter groups (ZeRO-1/2 hold more through the step with >1)")
     parser.add_argument("--headroom", type=float, default=0.10, help="fraction of memory kept free (default 0.10)")
     act = parser.add_argument_group("activations")
     act.add_argument("--measure-activations", action="store_true",
@@ -63,7 +65,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             spec, devices=args.devices or detect_device_count(), nodes=args.nodes, precision=args.precision,
             optimizer=args.optimizer, device_memory=device_memory or detect_device_memory(),
             host_memory=host_memory or detect_host_memory(), headroom=args.headroom,
-            activation_bytes=activations, buckets=Buckets.for_model(spec.hidden_size),
+            activation_bytes=activations, buckets=Buckets.for_model(spec.hidden_size), param_groups=args.param_groups,
         )
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
@@ -141,16 +143,18 @@ def format_table(rows: Sequence[dict[str, Any]], name: str = "") -> str:
             + f", {r0['world_size']} rank(s) ({r0['devices']} device(s) x {r0['nodes']} node(s)), {r0['precision']},"
             f" {r0['optimizer']}; device memory {fb(r0['device_memory'])}, host memory {fb(r0['host_memory'])}/node,"
             f" {r0['headroom']:.0%} kept free")
-    cols = ("configuration", "device/rank", "params", "grads", "optim", "buffers", "transient", "host/node",
-            "fits", "sent/rank/step")
+    cols = ("configuration", "device/rank", "peak in", "params", "grads", "optim", "buffers", "transient",
+            "step temps", "host/node", "fits", "sent/rank/step")
     table = [cols]
     for r in rows:
         d = r["device_parts"]
         fits = {True: "yes", False: "no", None: "?"}[r["fits"]]
         if r["fits"] is False and r["fits_device"]:
             fits = "no (host)"
-        table.append((r["label"], fb(r["device_bytes"]), fb(d["params"]), fb(d["grads"]), fb(d["optimizer"]),
-                      fb(d["buffers"]), fb(r["transient_bytes"]), fb(r["host_bytes"]), fits, fb(r["comm_bytes"])))
+        phase = "backward" if r["backward_peak_bytes"] >= r["step_peak_bytes"] else "step"
+        table.append((r["label"], fb(r["device_bytes"]), phase, fb(d["params"]), fb(d["grads"]), fb(d["optimizer"]),
+                      fb(d["buffers"]), fb(r["transient_bytes"]), fb(r["step_temporary_bytes"]), fb(r["host_bytes"]),
+                      fits, fb(r["comm_bytes"])))
     widths = [max(len(str(row[i])) for row in table) for i in range(len(cols))]
     lines = [head, ""]
     for i, row in enumerate(table):

@@ -21,7 +21,11 @@ the host too, and with parameter offload the ``p / N`` parameter partition. Thes
 formula against it. Beside the model states, transient buffers during backward: reduce buckets
 (``reduce_bucket_size`` elements, two with ``overlap_comm`` in stages 1-2), and for ZeRO-3 the parameters
 gathered for the running module plus the prefetch bucket (at most ``stage3_max_live_parameters``) and the
-persistent parameters (below ``stage3_param_persistence_threshold``) kept whole on every rank.
+persistent parameters (below ``stage3_param_persistence_threshold``) kept whole on every rank. Inside the step,
+torch's Adam adds two fp32 temporaries of the tensor it updates (ZeRO-1/2/3: one flat partition of Ψ/N
+elements), and with several parameter groups ZeRO-1/2 keep their low-precision gradient buffer until the last
+group has stepped. The device peak is the larger of backward (states at rest + buffers + activations) and the
+step (states inside it + temporaries).
 
 Bytes sent per rank per step assume ring collectives (NCCL, HCCL): an all-reduce of M bytes sends
 2M(N-1)/N, a reduce-scatter or all-gather M(N-1)/N. ZeRO-0 all-reduces gradients; ZeRO-1/2 all-reduce the
