@@ -15,6 +15,7 @@ from lightning.fabric.strategies.deepspeed import _format_precision_config, _val
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -27,6 +28,7 @@ __all__ = [
     "DEEPSPEED_STRATEGY_ATTRIBUTES",
     "OVERRIDDEN_DEEPSPEED_STRATEGY_HOOKS",
     "_PATH",
+    "TorchDispatchMode",
     "_MockOptimizer",
     "_StrategyRegistry",
     "_format_precision_config",
@@ -179,3 +181,8 @@ def created_deepspeed_accelerator() -> str | None:
 # documented: it comes from ``deepspeed.constants`` and is how DeepSpeedLauncherEnvironment tells the nodes apart.
 DEEPSPEED_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "CROSS_RANK")
 DEEPSPEED_NODE_RANK_ENV = "CROSS_RANK"
+
+
+# ===================================================================== memory planner (lightning_gaudi_ds.planning)
+# TorchDispatchMode (torch.utils._python_dispatch) sees every operator of forward and backward: on CPU, where
+# torch keeps no allocator statistics, planning.activations samples the heap after each one.

@@ -233,3 +233,10 @@ def test_deepspeed_runner_accepts_the_flags_the_plan_passes(tmp_path: Path, case
         except SystemExit:
             pytest.fail(f"{DEEPSPEED} changed `python -m deepspeed.launcher.runner`: it refuses the flags"
                         f" launch/plan.py passes for {case!r} ({' '.join(flags)}): {err.getvalue().strip()}")
+
+
+# ================================================================ memory planner (planner)
+def test_torch_dispatch_mode() -> None:
+    mode = _attr("torch.utils._python_dispatch", "TorchDispatchMode", TORCH,
+                 "planning.activations.HostPeak (activation and peak memory measured on CPU)")
+    assert hasattr(mode, "__torch_dispatch__") and hasattr(mode, "__enter__")

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_gaudi_ds._compat import TorchDispatchMode
 from lightning_gaudi_ds.planning.memory import HALF_PRECISIONS
 
 
