@@ -53,14 +53,17 @@ from lightning_gaudi_ds.config import (
     ConfigResolver,
     Resolved,
     check_activation_checkpointing,
+    check_nvme,
     explicit_arguments,
     hidden_size,
     load_config,
     mark_model_buckets,
     offloads_optimizer,
     shared_batch_size,
+    strategy_arg_values,
     write_resolved,
 )
+from lightning_gaudi_ds.config.keys import get as get_key
 from lightning_gaudi_ds.devices import (
     DeviceSpec,
     deterministic_change,
@@ -226,6 +229,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
                 raise MisconfigurationException(problem)
             assert isinstance(self.config, dict)
             self.config.setdefault("zero_optimization", {})["stage"] = AUTO
+        self._check_offload(explicit, offload_parameters)
         if number_checkpoints is not None:
             self._set_number_checkpoints(number_checkpoints)
         self._requested_hpu_mode: hpu.Mode | None = hpu_mode
@@ -245,6 +249,23 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             zero_args = {**self._resolver.explicit_args, **({"stage": AUTO} if self._auto is not None else {})}
             inference.check_zero_options(self._inference, zero_args, self.config)
         self._inference_dtype: torch.dtype | None = None
+
+    def _check_offload(self, explicit: dict[str, Any], offload_parameters: bool) -> None:
+        """What the config and the offload arguments add up to, refused at construction where DeepSpeed would train
+        without offloading (parameters below stage 3) or fail minutes in (NVMe without a usable path or libaio)."""
+        assert isinstance(self.config, dict)
+        source = self._resolver.source
+        if offload_parameters and source is not None:
+            stage = get_key(self.config, "zero_optimization.stage", None)
+            stage = explicit.get("stage", 0) if stage is None else stage
+            if stage != AUTO and stage != 3:
+                raise ConfigError(
+                    f"`HPUDeepSpeedStrategy(offload_parameters=True)` with the DeepSpeed config ({source}) at ZeRO"
+                    f" stage {stage}: parameter offload needs stage 3, and stage {stage} would train without"
+                    " offloading anything. Set the config's zero_optimization.stage to 3, or use"
+                    " offload_optimizer=True alone."
+                )
+        check_nvme(self.config, strategy_arg_values(explicit) if source is not None else {}, source)
 
     @property
     def torch_compile(self) -> bool:

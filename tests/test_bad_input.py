@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lightning_gaudi_ds.launch import DistributedRunner
-from tests.procs import LiveJob, run_job
+from tests.procs import run_job
 
 
 def _files(root: Path) -> list[Path]:
@@ -69,3 +69,156 @@ def test_spawn_missing_script_is_refused_before_any_rank(tmp_path: Path, missing
     assert "torchrun" not in done.output and "rank 0" not in done.output  # nothing was launched
     assert len(done.output.strip().splitlines()) == 1
     assert _files(tmp_path) == []
+
+
+# ------------------------------------------------------------------------------------- strategy and config
+def _trainer(tmp_path: Path, strategy: object, **kwargs: object) -> object:
+    import lightning as L
+
+    return L.Trainer(accelerator="cpu", devices=1, strategy=strategy, default_root_dir=tmp_path, logger=False,
+                     **kwargs)
+
+
+@pytest.fixture
+def empty_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_offload_parameters_with_a_stage_2_config_is_refused(empty_cwd: Path) -> None:
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+
+    with pytest.raises(MisconfigurationException, match=r"offload_parameters=True\)` with the DeepSpeed config "
+                                                        r"\(dict\) at ZeRO stage 2: parameter offload needs stage 3"):
+        HPUDeepSpeedStrategy(offload_parameters=True, config={"zero_optimization": {"stage": 2}})
+    with pytest.raises(MisconfigurationException, match=r"offload_param: parameter offload needs ZeRO stage 3"):
+        HPUDeepSpeedStrategy(config={"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}})
+    HPUDeepSpeedStrategy(offload_parameters=True, config={"zero_optimization": {"stage": 3}})  # the working form
+    assert _files(empty_cwd) == []
+
+
+def test_nvme_offload_without_a_path_is_refused_and_creates_nothing(empty_cwd: Path) -> None:
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    existed = Path("/local_nvme").exists()
+    with pytest.raises(MisconfigurationException) as err:
+        _trainer(empty_cwd, "hpu_deepspeed_stage_3_offload_nvme")
+    message = str(err.value)
+    if not existed:
+        assert "nvme_path='/local_nvme' does not exist" in message and "HPUDeepSpeedStrategy(nvme_path=...)" in message
+        assert not Path("/local_nvme").exists()
+    assert _files(empty_cwd) == []
+
+
+def test_nvme_offload_checks_the_path_and_libaio(empty_cwd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+    from lightning_gaudi_ds.config import ConfigError
+
+    args = dict(stage=3, offload_optimizer=True, offload_parameters=True, remote_device="nvme",
+                offload_params_device="nvme", offload_optimizer_device="nvme")
+    monkeypatch.setattr("lightning_gaudi_ds.config.load.libaio_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"async_io op, which needs libaio.*apt-get install libaio-dev"):
+        HPUDeepSpeedStrategy(nvme_path=str(empty_cwd), **args)
+    (empty_cwd / "file").write_text("")
+    with pytest.raises(ConfigError, match=rf"nvme_path='{empty_cwd}/file' is not a directory"):
+        HPUDeepSpeedStrategy(nvme_path=str(empty_cwd / "file"), **args)
+    config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}
+    with pytest.raises(ConfigError, match=r"offload_param.nvme_path: NVMe offload needs a directory.*set "
+                                          r"zero_optimization.offload_param.nvme_path in the config \(dict\)"):
+        HPUDeepSpeedStrategy(config=config)
+    monkeypatch.setattr("lightning_gaudi_ds.config.load.libaio_available", lambda: True)
+    HPUDeepSpeedStrategy(nvme_path=str(empty_cwd), **args)
+    assert _files(empty_cwd) == [empty_cwd / "file"]
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"gradient_clipping": "1.0"}, 'gradient_clipping: "1.0" is not allowed; pass a finite number >= 0'),
+        ({"gradient_clipping": float("nan")}, "gradient_clipping: NaN is not allowed"),
+        ({"gradient_clipping": -1}, "gradient_clipping: -1 is not allowed"),
+        ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu: 0 is not allowed; pass a whole"),
+        ({"gradient_accumulation_steps": 1.5}, "gradient_accumulation_steps: 1.5 is not allowed"),
+        ({"zero_optimization": True}, 'zero_optimization: expected a JSON object such as {"stage": 2}, got true.'
+                                      ' DeepSpeed\'s old boolean form means {"stage": 1}'),
+        ({"bf16": True}, 'bf16: expected a JSON object such as {"enabled": true}, got true'),
+        ({"optimizer": "adam"}, 'optimizer: expected {"type": "<name>", "params": {...}}, got "adam"'),
+    ],
+    ids=["clip-str", "clip-nan", "clip-negative", "micro-0", "accum-float", "zero-true", "bf16-true", "optimizer-str"],
+)
+def test_config_values_of_the_wrong_type_are_refused_at_construction(empty_cwd: Path, config: dict,
+                                                                      message: str) -> None:
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+
+    with pytest.raises(MisconfigurationException) as err:
+        _trainer(empty_cwd, HPUDeepSpeedStrategy(config=config))
+    assert message in str(err.value)
+    assert _files(empty_cwd) == []
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"devcie": "cpu"}}},
+         "zero_optimization.offload_optimizer.devcie: not a DeepSpeed config key. Did you mean"
+         " 'zero_optimization.offload_optimizer.device'?"),
+        ({"bf16": {"enabeld": True}}, "bf16.enabeld: not a DeepSpeed config key. Did you mean 'bf16.enabled'?"),
+        ({"fp16": {"loss_scale_windw": 100}}, "Did you mean 'fp16.loss_scale_window'?"),
+        ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "big"}},
+         'zero_optimization.reduce_bucket_size: "big" is not valid: Input should be a valid integer'),
+        ({"optimizer": {"type": "AdamW", "params": {"lrr": 0.001}}},
+         "optimizer.params.lrr: not an argument of FusedAdam (DeepSpeed's 'AdamW' optimizer here). Did you mean"
+         " 'optimizer.params.lr'?"),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": 0.001, "torch_adam": True, "weight_decy": 0.1}}},
+         "optimizer.params.weight_decy: not an argument of AdamW"),
+    ],
+    ids=["offload-devcie", "bf16-enabeld", "fp16-window", "bucket-big", "adam-lrr", "torch-adam-decay"],
+)
+def test_nested_typos_and_types_are_named_with_did_you_mean(empty_cwd: Path, config: dict, message: str) -> None:
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+    from lightning_gaudi_ds.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        HPUDeepSpeedStrategy(config=config)
+    assert message in str(err.value)
+    assert len(str(err.value).splitlines()) <= 3  # the problem, not a traceback
+    assert _files(empty_cwd) == []
+
+
+def test_a_valid_nested_config_passes(empty_cwd: Path) -> None:
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+
+    config = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "offload_param": {"device": "cpu"},
+                                    "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+              "bf16": {"enabled": "auto"}, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": [0.9, 0.95], "torch_adam": True}}}
+    assert HPUDeepSpeedStrategy(config=config).config["zero_optimization"]["stage"] == 3
+
+
+def test_config_path_that_is_a_directory(empty_cwd: Path) -> None:
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+    from lightning_gaudi_ds.config import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"DeepSpeed config path '{empty_cwd}' is a directory; pass the JSON file"):
+        HPUDeepSpeedStrategy(config=str(empty_cwd))
+
+
+def test_huge_configs_give_short_errors(empty_cwd: Path) -> None:
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+    from lightning_gaudi_ds.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        HPUDeepSpeedStrategy(config={f"unknown_key_{i}": i for i in range(20_000)})
+    lines = str(err.value).splitlines()
+    assert "20000 problems" in lines[0] and lines[-1] == "  ... and 19980 more" and len(lines) == 22
+    huge = "x" * 5_000_000
+    with pytest.raises(ConfigError) as err:
+        HPUDeepSpeedStrategy(config=huge)
+    assert len(str(err.value)) < 1000 and "(5000000 characters)" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        HPUDeepSpeedStrategy(config={"gradient_clipping": huge})
+    assert len(str(err.value)) < 1000

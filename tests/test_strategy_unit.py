@@ -6,6 +6,7 @@ import importlib
 import os
 import subprocess
 import sys
+from typing import Any
 
 import lightning as L
 import pytest
@@ -53,8 +54,13 @@ def test_submodule_imported_before_lightning_registers_the_names(first: str) -> 
 
 
 @pytest.mark.parametrize("name", sorted(NAMES))
-def test_registered_names_resolve_as_strings(name):
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=name, logger=False)
+def test_registered_names_resolve_as_strings(name, tmp_path, monkeypatch):
+    spec: Any = name
+    if name.endswith("nvme"):  # needs an existing nvme_path and libaio (tests/test_bad_input.py: without them)
+        monkeypatch.setattr("lightning_gaudi_ds.config.load.libaio_available", lambda: True)
+        entry = StrategyRegistry[name]
+        spec = entry["strategy"](**{**entry["init_params"], "nvme_path": str(tmp_path)})
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=spec, logger=False)
     strategy = trainer.strategy
     assert type(strategy) is HPUDeepSpeedStrategy
     zero = strategy.config["zero_optimization"]

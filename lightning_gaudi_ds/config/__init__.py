@@ -19,6 +19,7 @@ from lightning_gaudi_ds.config.keys import (
     TRAINER_KEYS,
     ZERO,
     offloads_optimizer,
+    offloads_parameters,
 )
 from lightning_gaudi_ds.config.load import (
     ENV_VAR,
@@ -26,6 +27,7 @@ from lightning_gaudi_ds.config.load import (
     ConfigError,
     ConfigNotFoundError,
     check_activation_checkpointing,
+    check_nvme,
     iter_auto,
     known_keys,
     load_config,
@@ -66,6 +68,7 @@ __all__ = [
     "bucket_hints",
     "bucket_sizes",
     "check_activation_checkpointing",
+    "check_nvme",
     "explicit_arguments",
     "hidden_size",
     "iter_auto",
@@ -73,6 +76,7 @@ __all__ = [
     "load_config",
     "mark_model_buckets",
     "offloads_optimizer",
+    "offloads_parameters",
     "resolve_config",
     "shared_batch_size",
     "strategy_arg_values",

@@ -73,6 +73,12 @@ def offloads_optimizer(config: Any) -> bool:
     return str(device).lower() in ("cpu", "nvme")
 
 
+def offloads_parameters(config: Any) -> bool:
+    """Whether ``config`` offloads parameters (``offload_param``) to CPU or NVMe; only ZeRO-3 does that."""
+    return str(get(config, f"{ZERO}.offload_param.device", None) if isinstance(config, Mapping) else None).lower() \
+        in ("cpu", "nvme")
+
+
 def get(config: Mapping[str, Any], key: str, default: Any = MISSING) -> Any:
     node: Any = config
     for part in key.split("."):
@@ -125,7 +131,22 @@ def fmt(value: Any) -> str:
         return repr(value)
 
 
+#: Problems listed in one error; a config with thousands of bad keys gets the first ones and a count.
+MAX_PROBLEMS = 20
+_MAX_PROBLEM_CHARS = 500
+
+
 def report(title: str, problems: list[str], note: str = "") -> str:
-    lines = "\n".join(f"  - {p}" for p in problems)
+    shown = [p if len(p) <= _MAX_PROBLEM_CHARS else p[:_MAX_PROBLEM_CHARS] + "... (cut)"
+             for p in problems[:MAX_PROBLEMS]]
+    lines = "\n".join(f"  - {p}" for p in shown)
+    if len(problems) > MAX_PROBLEMS:
+        lines += f"\n  ... and {len(problems) - MAX_PROBLEMS} more"
     count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
     return f"{title}: {count}:\n{lines}" + (f"\n{note}" if note else "")
+
+
+def short(value: Any, limit: int = 80) -> str:
+    """:func:`fmt`, cut to ``limit`` characters (a value can be a whole pasted config)."""
+    text = fmt(value)
+    return text if len(text) <= limit else text[:limit] + "..."
