@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
@@ -93,6 +94,8 @@ def _model(args: argparse.Namespace, init_args: dict[str, Any]) -> tuple[Any, An
 
         return None, ModelSpec(params=_count(n), name=f"{n:.3g} parameters"), None
     if args.model is not None:
+        if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` would: modules of the directory
+            sys.path.insert(0, os.getcwd())
         cls = sources.import_class(args.model)
         module = sources.build_on_meta(cls, init_args, args.model)
         spec = sources.spec_from_module(module, name=args.model)
