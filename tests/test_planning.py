@@ -43,8 +43,10 @@ def test_model_states_match_the_tensors_deepspeed_held(arm, precision):
         pytest.skip("arm not in the committed benchmark results")
     m = measured[(arm, precision)]
     stage, off_opt, off_par = ARM[arm]
-    b = Buckets.for_model(1024, {"overlap_comm": False})  # the run's settings (its meta line)
-    (row,) = plan_memory(_bench_spec(), devices=2, precision=precision, buckets=b,
+    meta = json.loads(RESULTS.read_text().splitlines()[0])["settings"]  # the run's model and ZeRO settings
+    b = Buckets.for_model(meta["hidden"], meta["zero"])
+    spec = _bench_spec(meta["hidden"], meta["main_layers"])
+    (row,) = plan_memory(spec, devices=meta["world_size"], precision=precision, buckets=b,
                          configurations=[(stage, off_opt, off_par)])
     psi = m["params"]
     assert row["params"] == psi
@@ -109,10 +111,12 @@ def test_frozen_parameters_hold_only_their_copy():
 def test_comm_bytes_match_the_collectives_counted():
     measured = [json.loads(line) for line in RESULTS.read_text().splitlines()]
     comm = {(r["arm"], r["precision"]): r for r in measured if r.get("type") == "comm"}
+    world = measured[0]["settings"]["world_size"]
+    assert comm, "the committed benchmark results have no comm rows"
     for (arm, precision), r in comm.items():
         if arm not in ARM:
             continue
-        predicted = comm_bytes_per_param(ARM[arm][0], precision, 2)
+        predicted = comm_bytes_per_param(ARM[arm][0], precision, world)
         assert predicted == pytest.approx(r["ring_bytes"] / r["params"], rel=0.01), (arm, precision)
     assert comm_bytes_per_param(3, "bf16-mixed", 1) == 0
 
