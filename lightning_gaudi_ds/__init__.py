@@ -31,8 +31,8 @@ if TYPE_CHECKING:
         convert_zero_checkpoint_to_fp32_state_dict,
     )
     from lightning_gaudi_ds.config import ConfigError, ConfigNotFoundError
+    from lightning_gaudi_ds.jit_ops import BuildLockError
     from lightning_gaudi_ds.launch import DistributedRunner, HostfileError
-    from lightning_gaudi_ds.ops import BuildLockError
     from lightning_gaudi_ds.planning import plan_memory
     from lightning_gaudi_ds.strategy import HPUDeepSpeedStrategy
 
@@ -58,7 +58,7 @@ except PackageNotFoundError:  # a source tree on sys.path that was never install
 
 # Public name -> the module that defines it; imported on first access.
 _EXPORTS = {
-    "BuildLockError": "lightning_gaudi_ds.ops",
+    "BuildLockError": "lightning_gaudi_ds.jit_ops",
     "CheckpointError": "lightning_gaudi_ds.checkpoint",
     "CheckpointNotFoundError": "lightning_gaudi_ds.checkpoint",
     "ConfigError": "lightning_gaudi_ds.config",

@@ -7,7 +7,10 @@ elsewhere imports these names from here, never the private path itself.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import argparse
+import contextlib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.strategies import _StrategyRegistry
@@ -21,12 +24,14 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = [
+    "BUILD_LOCK_NAME",
     "COPIED_DEEPSPEED_STRATEGY_METHODS",
     "COPIED_FROM_LIGHTNING_VERSION",
     "DEEPSPEED_LAUNCHER_ENV",
     "DEEPSPEED_NODE_RANK_ENV",
     "DEEPSPEED_STRATEGY_ATTRIBUTES",
     "OVERRIDDEN_DEEPSPEED_STRATEGY_HOOKS",
+    "SHM_SEGMENT_PREFIX",
     "_PATH",
     "TorchDispatchMode",
     "_MockOptimizer",
@@ -35,13 +40,23 @@ __all__ = [
     "_init_optimizers_and_lr_schedulers",
     "_validate_device_index_selection",
     "attached_trainer",
+    "created_deepspeed_accelerator",
     "deepspeed_accelerator_name",
+    "deepspeed_op_enabled",
     "deepspeed_removed_config_keys",
+    "disable_deepspeed_op",
+    "ds_to_universal",
+    "extensions_root",
+    "forget_jit_extension",
+    "is_unimplemented_builder",
     "mark_step_wrapped_for_lr_scheduler",
+    "model_states_meta",
+    "model_states_name",
+    "optim_states_name",
     "remove_module_hooks",
     "set_deepspeed_accelerator",
     "train_dataloaders",
-    "created_deepspeed_accelerator",
+    "universal_checkpoint_loading",
 ]
 
 
@@ -181,6 +196,119 @@ def created_deepspeed_accelerator() -> str | None:
 # documented: it comes from ``deepspeed.constants`` and is how DeepSpeedLauncherEnvironment tells the nodes apart.
 DEEPSPEED_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "CROSS_RANK")
 DEEPSPEED_NODE_RANK_ENV = "CROSS_RANK"
+
+
+# ==================================================================== checkpoints (lightning_gaudi_ds.checkpoint)
+def model_states_name(zero_stage: int, dp_rank: int, mp_rank: int = 0) -> str:
+    """File name of one model-states shard in a tag folder (DeepSpeedEngine._get_ckpt_name).
+
+    ZeRO-3 writes one per data-parallel rank; stages 0-2 one per model-parallel rank.
+    """
+    if zero_stage == 3:
+        return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def optim_states_name(dp_rank: int, mp_rank: int = 0, bf16: bool = False) -> str:
+    """File name of one ZeRO optimizer shard (DeepSpeedEngine._get_rank_zero_ckpt_name; ``bf16_`` under bf16)."""
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def model_states_meta(state: dict[str, Any]) -> tuple[int, int, int]:
+    """(ZeRO stage, data-parallel world size, model-parallel world size) from a loaded model-states file.
+
+    Keys written by DeepSpeedEngine._save_checkpoint (``ds_config``, ``dp_world_size``, ``mp_world_size``).
+    """
+    zero = (state.get("ds_config") or {}).get("zero_optimization") or {}
+    return int(zero.get("stage", 0)), int(state.get("dp_world_size", 1)), int(state.get("mp_world_size", 1))
+
+
+def ds_to_universal(input_folder: Path, output_folder: Path) -> None:
+    """DeepSpeed's ``ds_to_universal`` conversion, in this process, with one worker (no process pool).
+
+    DeepSpeed exposes it as a script only: ``main`` takes the ``Namespace`` its ``parse_arguments`` builds.
+    """
+    from deepspeed.checkpoint import ds_to_universal as script
+
+    script.main(argparse.Namespace(
+        input_folder=str(input_folder), output_folder=str(output_folder), num_extract_workers=1,
+        num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True,
+    ))
+
+
+@contextlib.contextmanager
+def universal_checkpoint_loading(engine: Any) -> Iterator[None]:
+    """Make ``engine.load_checkpoint`` read a universal checkpoint (the ``load_universal_checkpoint`` config flag).
+
+    DeepSpeed reads the flag from ``engine._config`` on every load; it has no argument for it.
+    """
+    engine._config.load_universal_checkpoint = True
+    try:
+        yield
+    finally:
+        engine._config.load_universal_checkpoint = False
+
+
+# ================================================================== JIT-built ops (lightning_gaudi_ds.jit_ops)
+def extensions_root() -> Path:
+    """Torch's extension build root: ``TORCH_EXTENSIONS_DIR``, else ``<default root>/py<ver>_<cpu|cuXY|rocmXY>``.
+
+    Torch's rule (``torch.utils.cpp_extension._get_build_directory``), without that function's side effect of
+    creating the build directory of a named extension.
+    """
+    import os
+    import sys
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return Path(root)
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if torch.version.hip is not None:
+        acc = f"rocm{torch.version.hip.replace('.', '')}"
+    elif torch.version.cuda is not None:
+        acc = f"cu{torch.version.cuda.replace('.', '')}"
+    else:
+        acc = "cpu"
+    py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{py}_{acc}"
+
+
+BUILD_LOCK_NAME = "lock"  # torch's _jit_compile: FileBaton(os.path.join(build_directory, 'lock'))
+
+
+def forget_jit_extension(name: str) -> None:
+    """Make torch's JIT loader build extension ``name`` again in this process (it skips names it has seen)."""
+    from torch.utils.cpp_extension import JIT_EXTENSION_VERSIONER
+
+    JIT_EXTENSION_VERSIONER.entries.pop(name, None)
+
+
+def deepspeed_op_enabled(name: str) -> bool:
+    """Whether DeepSpeed will build/load op ``name`` (its ``deepspeed.ops.__compatible_ops__`` table)."""
+    import deepspeed.ops
+
+    return bool(deepspeed.ops.__compatible_ops__.get(name, False))
+
+
+def disable_deepspeed_op(name: str) -> None:
+    """Stop DeepSpeed from building/loading op ``name``: ``deepspeed.comm.torch.build_shm_op`` reads this table."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[name] = False
+
+
+def is_unimplemented_builder(builder: Any) -> bool:
+    """Whether an accelerator's ``create_op_builder`` returned its placeholder for an op it does not have.
+
+    Every DeepSpeed accelerator has its own ``NotImplementedBuilder`` class; only the name is shared.
+    """
+    return type(builder).__name__ == "NotImplementedBuilder"
+
+
+# shm.cpp SHM_BUFFER_NAME; a rank's segment is "<prefix>_<uid>_<addr>_<port>_<rank>"
+SHM_SEGMENT_PREFIX = "deepspeed_allreduce_buffer"
 
 
 # ===================================================================== memory planner (lightning_gaudi_ds.planning)

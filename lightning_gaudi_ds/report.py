@@ -13,18 +13,19 @@ import platform
 import shutil
 import subprocess
 import sys
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from lightning_gaudi_ds import ops
+from lightning_gaudi_ds.jit_ops import build, locks, startup
 
-_ENV_VARS = ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", ops.SHM_MODE_ENV, "LOCAL_SIZE", "CXX", "PT_HPU_LAZY_MODE",
+_ENV_VARS = ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", startup.SHM_MODE_ENV, "LOCAL_SIZE", "CXX", "PT_HPU_LAZY_MODE",
              "DEEPSPEED_USE_HPU", "PL_DEEPSPEED_CONFIG_PATH", "OMP_NUM_THREADS")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--build-ops", nargs="*", metavar="OP", choices=list(ops.OPS),
-                        help=f"build DeepSpeed's JIT ops now (default: all of {', '.join(ops.OPS)})")
+    parser.add_argument("--build-ops", nargs="*", metavar="OP", choices=list(build.OPS),
+                        help=f"build DeepSpeed's JIT ops now (default: all of {', '.join(build.OPS)})")
     parser.add_argument("--clear-stale-locks", action="store_true",
                         help="remove build locks whose owner no longer exists (never a live build's)")
 
@@ -33,22 +34,22 @@ def run(args: argparse.Namespace) -> int:
     code = 0
     if args.clear_stale_locks:
         try:
-            cleared = [i for i in ops.clear_stale_locks(tuple(ops.OPS), print) if i.state == "stale"]
-        except ops.BuildLockError as err:
+            cleared = [i for i in locks.clear_stale_locks(tuple(build.OPS), print) if i.state == "stale"]
+        except locks.BuildLockError as err:
             print(f"error: {err}", file=sys.stderr)
             return 1
         if not cleared:
             print("no stale DeepSpeed build locks")
     if args.build_ops is not None:
         out = sys.stderr if args.json else sys.stdout  # keep --json output parseable
-        code = ops.print_build_results(ops.build_ops(args.build_ops or tuple(ops.OPS)), file=out)
+        code = build.print_build_results(build.build_ops(args.build_ops or tuple(build.OPS)), file=out)
         print(file=out)
     report = collect()
     print(json.dumps(report, indent=2) if args.json else render(report))
     return code
 
 
-def _version(dist: str) -> Optional[str]:
+def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -96,14 +97,14 @@ def collect() -> dict[str, Any]:
         "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "compiler": _compiler(),
         "ninja": shutil.which("ninja"),
-        "extensions_root": str(ops.extensions_root()),
-        "shm_comm_mode": _safe(ops.shm_mode),
+        "extensions_root": str(locks.extensions_root()),
+        "shm_comm_mode": _safe(startup.shm_mode),
         "env": {k: os.environ[k] for k in _ENV_VARS if k in os.environ},
     }
-    installed = ops.installed_ops()
+    installed = build.installed_ops()
     info["ops"] = {}
-    for name, spec_ in ops.OPS.items():
-        lib = ops.built_library(name)
+    for name, spec_ in build.OPS.items():
+        lib = build.built_library(name)
         if installed.get(name):
             state = "installed with DeepSpeed"
         elif lib is not None:
@@ -112,7 +113,7 @@ def collect() -> dict[str, Any]:
             state = "not built"
         info["ops"][name] = {"state": state, "path": str(lib) if lib else None, "purpose": spec_.purpose}
     info["build_locks"] = [
-        {"path": str(lock.path), "state": lock.state, "detail": lock.describe()} for lock in ops.scan_locks()
+        {"path": str(lock.path), "state": lock.state, "detail": lock.describe()} for lock in locks.scan_locks()
     ]
     return info
 
@@ -139,20 +140,20 @@ def render(info: dict[str, Any]) -> str:
         f"C++ compiler          {info['compiler']}",
         f"ninja                 {info['ninja'] or 'not found'}",
         f"torch extensions dir  {info['extensions_root']}",
-        f"shm comm mode         {info['shm_comm_mode']} ({ops.SHM_MODE_ENV}: off | on)",
+        f"shm comm mode         {info['shm_comm_mode']} ({startup.SHM_MODE_ENV}: off | on)",
         "DeepSpeed JIT ops:",
     ]
     for name, op in info["ops"].items():
         where = f"  {op['path']}" if op["path"] else ""
         lines.append(f"  {name:20s} {op['state']}{where}")
     if any(op["state"] == "not built" for op in info["ops"].values()):
-        lines.append(f"  (build them ahead with `{ops.BUILD_COMMAND}`)")
+        lines.append(f"  (build them ahead with `{build.BUILD_COMMAND}`)")
     if info["build_locks"]:
         lines.append("build locks:")
         for lock in info["build_locks"]:
             lines.append(f"  {lock['state'].upper():7s} {lock['detail']}")
         if any(lock["state"] == "stale" for lock in info["build_locks"]):
-            lines.append(f"  fix stale locks: `{ops.FIX_COMMAND}`")
+            lines.append(f"  fix stale locks: `{locks.FIX_COMMAND}`")
     else:
         lines.append("build locks:          none")
     if info["env"]:
@@ -160,7 +161,7 @@ def render(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_gaudi_ds.report", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

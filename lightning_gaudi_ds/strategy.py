@@ -2,7 +2,7 @@
 
 Only Lightning's hooks live here; they gather facts from the Trainer and delegate: the DeepSpeed config to
 :mod:`lightning_gaudi_ds.config`, the optimizer policy to :mod:`lightning_gaudi_ds.engine`, checkpoints to
-:mod:`lightning_gaudi_ds.checkpoint`, JIT-built ops to :mod:`lightning_gaudi_ds.ops`. Everything else (precision
+:mod:`lightning_gaudi_ds.checkpoint`, JIT-built ops to :mod:`lightning_gaudi_ds.jit_ops`. Everything else (precision
 plugin, checkpointing, ZeRO-3 ``zero.Init``, optimizer wiring) is Lightning's own ``DeepSpeedStrategy``.
 
 DeepSpeed itself is imported inside the methods that use it: importing it picks DeepSpeed's global accelerator by
@@ -74,8 +74,8 @@ from lightning_gaudi_ds.devices import (
     validate_precision,
 )
 from lightning_gaudi_ds.engine import inference, train
+from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV, prepare_startup
 from lightning_gaudi_ds.launch.environments import check_launcher_world_size, resolve_environment
-from lightning_gaudi_ds.ops import SHM_MODE_ENV, prepare_startup
 from lightning_gaudi_ds.planning import choose
 from lightning_gaudi_ds.planning.auto import (
     AUTO,
@@ -369,7 +369,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         shm_default = {SHM_MODE_ENV: "on"} if self._tensor_parallel and SHM_MODE_ENV not in os.environ else {}
         os.environ.update(shm_default)
         try:
-            prepare_startup(self.device_spec.deepspeed_accelerator, self.config, self.world_size)
+            prepare_startup(self.device_spec.deepspeed_accelerator, offloads_optimizer(self.config), self.world_size)
         finally:
             for key in shm_default:
                 os.environ.pop(key, None)
@@ -825,7 +825,11 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             return ckpt._load_fp32_weights(self, info)
         if info.world_size == self.world_size or info.zero_stage == 0:  # stage 0: DeepSpeed's own loader
             return super().load_checkpoint(checkpoint_path, weights_only)
-        return ckpt.load_resharded(self, info)
+        module = self.lightning_module
+        assert module is not None
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        return ckpt.load_resharded(info, self, self.deepspeed_engine, module, fitting=fitting,
+                                   strict=module.strict_loading)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:

@@ -32,6 +32,6 @@ pipq -e ".[test]"
 # ZeRO-Offload), built now so a first training run starts as fast as later ones; a no-op once built.
 # Without a compiler training still works (plain torch.distributed collectives). Skip: LIGHTNING_GAUDI_DS_SKIP_OP_BUILD=1
 if [ "${LIGHTNING_GAUDI_DS_SKIP_OP_BUILD:-0}" != "1" ]; then
-  python -m lightning_gaudi_ds.ops build \
+  python -m lightning_gaudi_ds.jit_ops build \
     || echo "setup.sh: DeepSpeed ops not built (see above): training falls back to torch.distributed collectives; ZeRO-Offload needs cpu_adam" >&2
 fi

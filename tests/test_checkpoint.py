@@ -1,4 +1,4 @@
-"""Sharded checkpoints (issue 5): validation errors, crash-safe commits, exact resume, fp32 export, resharding.
+"""Sharded checkpoints: validation errors, crash-safe commits, exact resume, fp32 export, resharding.
 
 Unit tests build DeepSpeed-shaped directories by hand. The multiprocess tests run tests/jobs/ckpt_job.py for
 real (2 ranks on gloo, and 1 rank for world-size changes), four jobs in all, shared through module fixtures:
@@ -22,6 +22,8 @@ import torch
 
 from lightning_gaudi_ds import checkpoint as ckpt
 from lightning_gaudi_ds import convert_zero_checkpoint_to_fp32_state_dict
+from lightning_gaudi_ds.checkpoint import convert as ckpt_convert
+from lightning_gaudi_ds.checkpoint import io as ckpt_io
 from tests.procs import JOBS, run_job
 
 STAGES = [1, 2, 3]
@@ -130,7 +132,7 @@ def _stage(final: Path, content: str) -> None:
 @pytest.mark.parametrize("atomic_swap", [True, False])
 def test_commit_replaces_atomically_and_never_exposes_a_broken_save(tmp_path, monkeypatch, atomic_swap):
     if not atomic_swap:
-        monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(ckpt_io, "_exchange", lambda a, b: False)
     final = tmp_path / "last.ckpt"
     _stage(final, "first")
     ckpt.commit_save(ckpt.partial_path(final), final, zero_stage=2, world_size=2)
@@ -204,6 +206,33 @@ def test_a_failure_on_rank_zero_is_raised_on_every_rank():
     with pytest.raises(ckpt.CheckpointError, match="Committing x failed on rank 0: PermissionError: read-only"):
         ckpt.on_rank_zero(_Rank(1, "PermissionError: read-only file system"), "Committing x", fail)
     ckpt.on_rank_zero(_Rank(1), "Committing x", fail)  # not run on rank 1; rank 0 reported success
+
+
+def test_stage_0_converts_to_fp32_without_deepspeed_state(tmp_path):
+    path = fake_checkpoint(tmp_path, stage=0, world_size=1)
+    model_states = path / "checkpoint" / "mp_rank_00_model_states.pt"
+    state = torch.load(model_states, weights_only=False)
+    state.update(module={"w": torch.ones(2, dtype=torch.bfloat16), "steps": torch.tensor(3)}, global_step=7)
+    torch.save(state, model_states)
+    out = tmp_path / "new" / "model.pt"
+    returned = convert_zero_checkpoint_to_fp32_state_dict(path, out)
+    written = torch.load(out, weights_only=False)
+    assert written["global_step"] == returned["global_step"] == 7 and "module" not in written
+    assert written["state_dict"]["w"].dtype == torch.float32 and written["state_dict"]["w"].tolist() == [1.0, 1.0]
+    assert written["state_dict"]["steps"].dtype == torch.int64
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model.pt"]  # written aside, then renamed
+
+
+def test_a_tag_other_than_latest_is_presented_as_latest(tmp_path):
+    path = fake_checkpoint(tmp_path)
+    other = path / "older"
+    other.mkdir()
+    info = ckpt.CheckpointInfo(path, "older", 2, 2)
+    with ckpt_convert._with_latest_tag(info) as view:
+        assert (view / "latest").read_text() == "older" and (view / "older").resolve() == other.resolve()
+    assert not view.exists()
+    with ckpt_convert._with_latest_tag(ckpt.CheckpointInfo(path, "checkpoint", 2, 2)) as view:
+        assert view == path
 
 
 def test_cli_convert_reports_bad_input(tmp_path, capsys):
@@ -296,7 +325,7 @@ def steps(rank: dict[str, Any], first: int, last: int, key: str = "loss") -> lis
 def global_losses(ranks: list[dict[str, Any]], first: int, last: int) -> list[float]:
     """Mean over ranks: the loss of the global batch, comparable between world sizes."""
     per_rank = [steps(r, first, last) for r in ranks]
-    return [sum(v) / len(v) for v in zip(*per_rank)]
+    return [sum(v) / len(v) for v in zip(*per_rank, strict=True)]
 
 
 def assert_resumed_state(resumed: dict[str, Any]) -> None:
@@ -312,7 +341,7 @@ def assert_resumed_state(resumed: dict[str, Any]) -> None:
 @pytest.mark.parametrize("stage", STAGES)
 def test_fp32_resume_is_exact(job_2ranks, stage):
     full, resumed = job_2ranks["fits"][f"s{stage}-32-true"], job_2ranks["fits"][f"s{stage}-32-true-resumed"]
-    for f, r in zip(full, resumed):
+    for f, r in zip(full, resumed, strict=True):
         assert_resumed_state(r)
         assert sorted(r["records"], key=int) == [str(s) for s in range(K + 1, 2 * K + 1)]
         assert steps(r, K + 1, 2 * K) == pytest.approx(steps(f, K + 1, 2 * K), rel=1e-6, abs=1e-7)
@@ -325,7 +354,7 @@ def test_fp32_resume_is_exact(job_2ranks, stage):
 @pytest.mark.multiprocess
 def test_bf16_resume_within_bf16_tolerance(job_2ranks):
     full, resumed = job_2ranks["fits"]["s2-bf16-mixed"], job_2ranks["fits"]["s2-bf16-mixed-resumed"]
-    for f, r in zip(full, resumed):
+    for f, r in zip(full, resumed, strict=True):
         assert_resumed_state(r)
         assert steps(r, K + 1, 2 * K) == pytest.approx(steps(f, K + 1, 2 * K), rel=1e-2)
         assert flat(r["end"]["outputs"]) == pytest.approx(flat(f["end"]["outputs"]), rel=2e-2, abs=2e-2)
@@ -463,6 +492,6 @@ def test_killed_mid_save_keeps_last_loadable(job_killed, job_2ranks, job_back_to
     assert "unfinished save of last.ckpt, which still holds the previous complete checkpoint" in str(err.value)
     # and resuming from it reproduces the run that was never interrupted
     after = job_back_to_2["fits"]["after-kill"]
-    for a, full in zip(after, job_2ranks["fits"]["s2-32-true"]):
+    for a, full in zip(after, job_2ranks["fits"]["s2-32-true"], strict=True):
         assert_resumed_state(a)
         assert steps(a, K + 1, 2 * K) == pytest.approx(steps(full, K + 1, 2 * K), rel=1e-6, abs=1e-7)

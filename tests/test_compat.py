@@ -10,12 +10,16 @@ import contextlib
 import importlib
 import inspect
 import io
+import re
 import sys
 from importlib.metadata import version
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
+from lightning_gaudi_ds import _compat
 
 LIGHTNING = f"Lightning {version('lightning')}"
 DEEPSPEED = f"DeepSpeed {version('deepspeed')}"
@@ -233,6 +237,143 @@ def test_deepspeed_runner_accepts_the_flags_the_plan_passes(tmp_path: Path, case
         except SystemExit:
             pytest.fail(f"{DEEPSPEED} changed `python -m deepspeed.launcher.runner`: it refuses the flags"
                         f" launch/plan.py passes for {case!r} ({' '.join(flags)}): {err.getvalue().strip()}")
+
+
+# ==================================================================== checkpoints (lightning_gaudi_ds.checkpoint)
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_checkpoint_file_names_are_deepspeeds(zero_stage: int) -> None:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    engine = SimpleNamespace(checkpoint_mp_rank=1, zero_optimization_partition_weights=lambda: zero_stage == 3,
+                             _get_zero_ckpt_prefix=lambda dp, bf16_mode: DeepSpeedEngine._get_zero_ckpt_prefix(
+                                 None, dp, bf16_mode))
+    model = Path(DeepSpeedEngine._get_ckpt_name(engine, "root", "tag", pp_placeholder="3")).name
+    assert model == _compat.model_states_name(zero_stage, 3, 1), (
+        f"{DEEPSPEED} renamed its model-states files (DeepSpeedEngine._get_ckpt_name): update"
+        " _compat.model_states_name")
+    for bf16 in (False, True):
+        optim = Path(DeepSpeedEngine._get_rank_zero_ckpt_name(engine, "root", "tag", 1, 3, bf16)).name
+        assert optim == _compat.optim_states_name(3, 1, bf16), (
+            f"{DEEPSPEED} renamed its ZeRO optimizer shards (DeepSpeedEngine._get_rank_zero_ckpt_name): update"
+            " _compat.optim_states_name")
+
+
+def test_model_states_metadata_keys_are_written_by_deepspeed() -> None:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    source = inspect.getsource(DeepSpeedEngine._common_checkpoint_state)
+    for key in ("ds_config", "dp_world_size", "mp_world_size"):
+        assert f"{key}=" in source, (
+            f"{DEEPSPEED} no longer writes {key!r} into model-states files (DeepSpeedEngine._common_checkpoint_state):"
+            " update _compat.model_states_meta")
+    state = {"ds_config": {"zero_optimization": {"stage": 3}}, "dp_world_size": 4, "mp_world_size": 1}
+    assert _compat.model_states_meta(state) == (3, 4, 1)
+
+
+def test_ds_to_universal_takes_the_namespace_its_parser_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deepspeed.checkpoint import ds_to_universal
+
+    assert callable(getattr(ds_to_universal, "main", None)), (
+        f"{DEEPSPEED} removed deepspeed.checkpoint.ds_to_universal.main, used by checkpoint.reshard")
+    monkeypatch.setattr(sys, "argv", ["ds_to_universal", "--input_folder", "in", "--output_folder", "out"])
+    expected = set(vars(ds_to_universal.parse_arguments()))
+    passed: list[object] = []
+    monkeypatch.setattr(ds_to_universal, "main", passed.append)
+    _compat.ds_to_universal(Path("in"), Path("out"))
+    assert set(vars(passed[0])) == expected, (
+        f"{DEEPSPEED}: ds_to_universal's arguments changed (parse_arguments): update the Namespace in"
+        " _compat.ds_to_universal")
+
+
+def test_universal_loading_is_the_engine_config_flag() -> None:
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    assert "load_universal_checkpoint" in inspect.getsource(DeepSpeedConfig), (
+        f"{DEEPSPEED}: DeepSpeedConfig has no load_universal_checkpoint any more: update"
+        " _compat.universal_checkpoint_loading")
+    engine = SimpleNamespace(_config=SimpleNamespace(load_universal_checkpoint=False))
+    with _compat.universal_checkpoint_loading(engine):
+        assert DeepSpeedEngine.load_universal_checkpoint(engine) is True, (
+            f"{DEEPSPEED}: DeepSpeedEngine.load_universal_checkpoint() no longer reads"
+            " engine._config.load_universal_checkpoint: update _compat.universal_checkpoint_loading")
+    assert DeepSpeedEngine.load_universal_checkpoint(engine) is False
+
+
+# ================================================================== JIT-built ops (lightning_gaudi_ds.jit_ops)
+def test_extensions_root_follows_torchs_rule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setattr(cpp, "get_default_build_root", lambda: str(tmp_path))
+    assert Path(cpp._get_build_directory("some_op", verbose=False)) == _compat.extensions_root() / "some_op", (
+        f"{TORCH} changed where it builds extensions (cpp_extension._get_build_directory): update"
+        " _compat.extensions_root")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "own"))
+    assert Path(cpp._get_build_directory("some_op", verbose=False)) == _compat.extensions_root() / "some_op"
+
+
+def test_build_lock_file_name_is_torchs() -> None:
+    import torch.utils.cpp_extension as cpp
+
+    source = inspect.getsource(cpp._jit_compile)
+    assert re.search(rf"FileBaton\(os\.path\.join\(build_directory, ['\"]{_compat.BUILD_LOCK_NAME}['\"]\)\)", source), (
+        f"{TORCH}: the JIT build no longer locks <build dir>/lock with FileBaton (cpp_extension._jit_compile): update"
+        " _compat.BUILD_LOCK_NAME and jit_ops/locks.py")
+
+
+def test_forget_jit_extension_clears_torchs_versioner() -> None:
+    from torch.utils.cpp_extension import JIT_EXTENSION_VERSIONER
+
+    assert isinstance(getattr(JIT_EXTENSION_VERSIONER, "entries", None), dict), (
+        f"{TORCH} removed JIT_EXTENSION_VERSIONER.entries: update _compat.forget_jit_extension")
+    JIT_EXTENSION_VERSIONER.bump_version_if_changed(
+        "lgds_compat_probe", [], build_arguments=[[]], build_directory="/nonexistent", with_cuda=False,
+        with_sycl=False, is_python_module=True, is_standalone=False)
+    assert JIT_EXTENSION_VERSIONER.get_version("lgds_compat_probe") is not None
+    _compat.forget_jit_extension("lgds_compat_probe")
+    assert JIT_EXTENSION_VERSIONER.get_version("lgds_compat_probe") is None
+
+
+def test_disabling_an_op_stops_deepspeed_building_the_shm_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    import deepspeed.ops
+    from deepspeed.comm.torch import build_shm_op
+
+    from lightning_gaudi_ds.jit_ops.build import SHM_COMM
+
+    table = deepspeed.ops.__compatible_ops__
+    assert isinstance(table, dict), (
+        f"{DEEPSPEED} removed deepspeed.ops.__compatible_ops__: update _compat.disable_deepspeed_op")
+    if _compat.deepspeed_accelerator_name() != "cpu":
+        pytest.skip("the shm op exists on DeepSpeed's CPU accelerator only")
+    monkeypatch.setitem(table, SHM_COMM, True)
+    assert _compat.deepspeed_op_enabled(SHM_COMM)
+    _compat.disable_deepspeed_op(SHM_COMM)
+    assert not _compat.deepspeed_op_enabled(SHM_COMM)
+    assert build_shm_op() is None, (
+        f"{DEEPSPEED}: deepspeed.comm.torch.build_shm_op no longer reads deepspeed.ops.__compatible_ops__: the shm"
+        " op would be built although disabled; update _compat.disable_deepspeed_op")
+
+
+def test_unimplemented_builders_are_recognised() -> None:
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    builder = CPU_Accelerator().create_op_builder("NoSuchBuilder")
+    assert builder is not None and _compat.is_unimplemented_builder(builder), (
+        f"{DEEPSPEED}: the accelerators return {type(builder).__name__} for an op they lack, no NotImplementedBuilder:"
+        " update _compat.is_unimplemented_builder")
+    assert not _compat.is_unimplemented_builder(CPU_Accelerator().create_op_builder("CPUAdamBuilder"))
+
+
+def test_shm_segment_name_is_deepspeeds() -> None:
+    import deepspeed
+
+    source = Path(deepspeed.__file__).parent / "ops" / "csrc" / "cpu" / "comm" / "shm.cpp"
+    assert source.is_file(), f"{DEEPSPEED}: {source} is gone: check how DeepSpeed names its shm segments now"
+    text = source.read_text()
+    assert f'#define SHM_BUFFER_NAME "{_compat.SHM_SEGMENT_PREFIX}"' in text and '"%s_%d_%s_%s"' in text, (
+        f"{DEEPSPEED}: the shm op names its segments differently (shm.cpp shm_initialize): update"
+        " _compat.SHM_SEGMENT_PREFIX and jit_ops.startup.shm_segment_name")
 
 
 # ================================================================ memory planner (planner)

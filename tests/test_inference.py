@@ -37,10 +37,8 @@ def test_hugging_face_llama_autotp(tmp_path):
 
 
 def _shm_op_built() -> bool:
-    try:
-        from lightning_gaudi_ds.jit_ops.build import built_library
-    except ImportError:
-        from lightning_gaudi_ds.ops import built_library
+    from lightning_gaudi_ds.jit_ops.build import built_library
+
     return built_library("deepspeed_shm_comm") is not None
 
 

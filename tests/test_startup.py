@@ -14,12 +14,13 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
-from lightning_gaudi_ds import ops
+from lightning_gaudi_ds.jit_ops import build, locks, startup
 from tests.procs import JOBS, free_port, kill_group, run_job
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -33,7 +34,7 @@ def ext_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return root
 
 
-def _plant(ext: Path, name: str = ops.SHM_COMM) -> Path:
+def _plant(ext: Path, name: str = build.SHM_COMM) -> Path:
     (ext / name).mkdir(parents=True, exist_ok=True)
     lock = ext / name / "lock"
     lock.touch()
@@ -76,44 +77,44 @@ class _Holder:
 
 # ---------------------------------------------------------------------------------- lock detection
 def test_absent_lock(ext_dir: Path) -> None:
-    assert ops.inspect_lock(ops.lock_path(ops.SHM_COMM)).state == "absent"
-    assert not ops.clear_stale_lock(ops.lock_path(ops.SHM_COMM)).exists
+    assert locks.inspect_lock(locks.lock_path(build.SHM_COMM)).state == "absent"
+    assert not locks.clear_stale_lock(locks.lock_path(build.SHM_COMM)).exists
 
 
 def test_lock_without_owner_is_stale_and_cleared(ext_dir: Path) -> None:
     lock = _plant(ext_dir)
-    assert ops.lock_path(ops.SHM_COMM) == lock
-    info = ops.inspect_lock(lock)
+    assert locks.lock_path(build.SHM_COMM) == lock
+    info = locks.inspect_lock(lock)
     assert info.state == "stale", info
     assert "stale" in info.describe() and str(lock) in info.describe()
-    assert ops.clear_stale_lock(lock, settle_s=0.05).state == "stale"
+    assert locks.clear_stale_lock(lock, settle_s=0.05).state == "stale"
     assert not lock.exists()
 
 
 @pytest.mark.multiprocess
 def test_lock_of_a_killed_owner_is_stale(ext_dir: Path) -> None:
-    lock = ext_dir / ops.SHM_COMM / "lock"
+    lock = ext_dir / build.SHM_COMM / "lock"
     lock.parent.mkdir()
     holder = _Holder(lock)
     try:
-        info = ops.inspect_lock(lock)
+        info = locks.inspect_lock(lock)
         assert info.state == "live" and holder.proc.pid in info.holders, info
     finally:
         holder.kill()  # SIGTERM: FileBaton has no handler, the file stays behind like after Ctrl-C/kill
     assert lock.exists()
-    assert ops.inspect_lock(lock).state == "stale"
-    ops.clear_stale_lock(lock, settle_s=0.05)
+    assert locks.inspect_lock(lock).state == "stale"
+    locks.clear_stale_lock(lock, settle_s=0.05)
     assert not lock.exists()
 
 
 @pytest.mark.multiprocess
 def test_live_lock_is_never_removed(ext_dir: Path) -> None:
-    lock = ext_dir / ops.SHM_COMM / "lock"
+    lock = ext_dir / build.SHM_COMM / "lock"
     lock.parent.mkdir()
     holder = _Holder(lock, hold_s=2.0)
-    info = ops.clear_stale_lock(lock, settle_s=0.05)
+    info = locks.clear_stale_lock(lock, settle_s=0.05)
     assert info.state == "live" and lock.exists()
-    assert ops.clear_stale_locks([ops.SHM_COMM], strict=True)[0].state == "live"
+    assert locks.clear_stale_locks([build.SHM_COMM], strict=True)[0].state == "live"
     rc, out = holder.finish()
     assert rc == 0, out  # its own release found the file it created: nobody broke the lock
     assert not lock.exists()
@@ -125,26 +126,26 @@ def test_orphaned_compile_in_build_dir_keeps_lock_live(ext_dir: Path) -> None:
     lock = _plant(ext_dir)
     compile_ = subprocess.Popen(["sleep", "30"], cwd=lock.parent, start_new_session=True)
     try:
-        info = ops.inspect_lock(lock)
+        info = locks.inspect_lock(lock)
         assert info.state == "live" and compile_.pid in info.builders, info
-        assert ops.clear_stale_lock(lock, settle_s=0.05).state == "live" and lock.exists()
+        assert locks.clear_stale_lock(lock, settle_s=0.05).state == "live" and lock.exists()
     finally:
         kill_group(compile_.pid)
         compile_.wait()
-    assert ops.clear_stale_lock(lock, settle_s=0.05).state == "stale" and not lock.exists()
+    assert locks.clear_stale_lock(lock, settle_s=0.05).state == "stale" and not lock.exists()
 
 
 def test_owner_that_cannot_be_inspected_is_an_error_naming_the_file(ext_dir: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     lock = _plant(ext_dir)
-    unknown = ops.LockInfo(lock, True, lock.stat().st_ino, 1.0, uninspected=-1)
-    monkeypatch.setattr(ops, "inspect_lock", lambda path: unknown)
-    with pytest.raises(ops.BuildLockError, match=f"rm {lock}"):
-        ops.clear_stale_lock(lock)
-    with pytest.raises(ops.BuildLockError):
-        ops.clear_stale_locks([ops.SHM_COMM], strict=True)
+    unknown = locks.LockInfo(lock, True, lock.stat().st_ino, 1.0, uninspected=-1)
+    monkeypatch.setattr(locks, "inspect_lock", lambda path: unknown)
+    with pytest.raises(locks.BuildLockError, match=f"rm {lock}"):
+        locks.clear_stale_lock(lock)
+    with pytest.raises(locks.BuildLockError):
+        locks.clear_stale_locks([build.SHM_COMM], strict=True)
     said: list[str] = []
-    assert ops.clear_stale_locks([ops.SHM_COMM], said.append, strict=False) == []
+    assert locks.clear_stale_locks([build.SHM_COMM], said.append, strict=False) == []
     assert said and str(lock) in said[0]
     assert lock.exists()
 
@@ -153,7 +154,7 @@ def test_concurrent_clearers_remove_only_the_stale_lock(ext_dir: Path) -> None:
     """Every rank clears at once; none may remove the fresh lock another rank's build took meanwhile."""
     lock = _plant(ext_dir)
     results: list[Any] = []
-    threads = [threading.Thread(target=lambda: results.append(ops.clear_stale_lock(lock, settle_s=0.2)))
+    threads = [threading.Thread(target=lambda: results.append(locks.clear_stale_lock(lock, settle_s=0.2)))
                for _ in range(4)]
     for t in threads:
         t.start()
@@ -175,9 +176,9 @@ class _FakeBuilder:
         from torch.utils.cpp_extension import JIT_EXTENSION_VERSIONER as versioner
         from torch.utils.file_baton import FileBaton
 
-        old = versioner.get_version(ops.SHM_COMM)
+        old = versioner.get_version(build.SHM_COMM)
         version = versioner.bump_version_if_changed(
-            ops.SHM_COMM, [], build_arguments=[[]], build_directory=str(self.lock.parent), with_cuda=False,
+            build.SHM_COMM, [], build_arguments=[[]], build_directory=str(self.lock.parent), with_cuda=False,
             with_sycl=False, is_python_module=True, is_standalone=False)
         baton = FileBaton(str(self.lock), wait_seconds=0.05)
         if baton.try_acquire():
@@ -198,9 +199,9 @@ class _FakeBuilder:
 def _forget_fake_op() -> Iterator[None]:
     from torch.utils.cpp_extension import JIT_EXTENSION_VERSIONER
 
-    JIT_EXTENSION_VERSIONER.entries.pop(ops.SHM_COMM, None)
+    JIT_EXTENSION_VERSIONER.entries.pop(build.SHM_COMM, None)
     yield
-    JIT_EXTENSION_VERSIONER.entries.pop(ops.SHM_COMM, None)
+    JIT_EXTENSION_VERSIONER.entries.pop(build.SHM_COMM, None)
 
 
 def _load_in_thread(builder: _FakeBuilder, said: list[str]) -> tuple[threading.Thread, list[Any]]:
@@ -208,7 +209,7 @@ def _load_in_thread(builder: _FakeBuilder, said: list[str]) -> tuple[threading.T
 
     def target() -> None:
         try:
-            out.append(ops.load_op(ops.SHM_COMM, builder, said.append))
+            out.append(build.load_op(build.SHM_COMM, builder, said.append))
         except BaseException as err:  # noqa: BLE001
             out.append(err)
 
@@ -219,7 +220,7 @@ def _load_in_thread(builder: _FakeBuilder, said: list[str]) -> tuple[threading.T
 
 @pytest.mark.multiprocess
 def test_waiter_recovers_when_the_builder_dies_mid_build(ext_dir: Path) -> None:
-    lock = ext_dir / ops.SHM_COMM / "lock"
+    lock = ext_dir / build.SHM_COMM / "lock"
     lock.parent.mkdir()
     holder = _Holder(lock)
     said: list[str] = []
@@ -236,8 +237,8 @@ def test_waiter_recovers_when_the_builder_dies_mid_build(ext_dir: Path) -> None:
 
 @pytest.mark.multiprocess
 def test_waiter_waits_for_a_live_build_and_reports_it(ext_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ops._LockWatch, "__init__", _fast_report_init)
-    lock = ext_dir / ops.SHM_COMM / "lock"
+    monkeypatch.setattr(build._LockWatch, "__init__", _fast_report_init)
+    lock = ext_dir / build.SHM_COMM / "lock"
     lock.parent.mkdir()
     holder = _Holder(lock, hold_s=3.0)
     (lock.parent / "op.so").write_text("built by the holder")
@@ -251,7 +252,7 @@ def test_waiter_waits_for_a_live_build_and_reports_it(ext_dir: Path, monkeypatch
     assert any("waiting" in s and f"pid {holder.proc.pid}" in s for s in said), said
 
 
-_original_watch_init = ops._LockWatch.__init__
+_original_watch_init = build._LockWatch.__init__
 
 
 def _fast_report_init(self: Any, path: Path, say: Any, **kwargs: Any) -> None:
@@ -260,18 +261,18 @@ def _fast_report_init(self: Any, path: Path, say: Any, **kwargs: Any) -> None:
 
 # ------------------------------------------------------------------------------------- decisions
 def test_shm_mode_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ops.SHM_MODE_ENV, "yes")
+    monkeypatch.setenv(startup.SHM_MODE_ENV, "yes")
     with pytest.raises(ValueError, match="off, on"):
-        ops.shm_mode()
-    monkeypatch.setenv(ops.SHM_MODE_ENV, " ON ")
-    assert ops.shm_mode() == "on"
-    monkeypatch.delenv(ops.SHM_MODE_ENV)
-    assert ops.shm_mode() == "off"
+        startup.shm_mode()
+    monkeypatch.setenv(startup.SHM_MODE_ENV, " ON ")
+    assert startup.shm_mode() == "on"
+    monkeypatch.delenv(startup.SHM_MODE_ENV)
+    assert startup.shm_mode() == "off"
 
 
 def test_compiler_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    assert "no C++ compiler" in (ops.compiler_missing() or "")
+    assert "no C++ compiler" in (build.compiler_missing() or "")
 
 
 @pytest.fixture()
@@ -279,8 +280,8 @@ def compatible_ops(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, bool]]
     import deepspeed.ops
 
     table = deepspeed.ops.__compatible_ops__
-    monkeypatch.setitem(table, ops.SHM_COMM, True)
-    monkeypatch.setattr(ops, "_fallback_said", False)
+    monkeypatch.setitem(table, build.SHM_COMM, True)
+    monkeypatch.setattr(startup, "_fallback_said", False)
     yield table
 
 
@@ -297,14 +298,14 @@ def test_fallback_is_decided_before_deepspeed_builds(
     mode: str | None, cxx: str, reason: str, warns: bool,
 ) -> None:
     if mode is None:
-        monkeypatch.delenv(ops.SHM_MODE_ENV, raising=False)
+        monkeypatch.delenv(startup.SHM_MODE_ENV, raising=False)
     else:
-        monkeypatch.setenv(ops.SHM_MODE_ENV, mode)
+        monkeypatch.setenv(startup.SHM_MODE_ENV, mode)
     monkeypatch.setenv("CXX", cxx)
-    monkeypatch.setattr(ops, "load_op", lambda *a, **k: pytest.fail("must not load or build"))
-    result = ops.prepare_startup("cpu", {}, world_size=2, say=lambda s: None)
+    monkeypatch.setattr(startup, "load_op", lambda *a, **k: pytest.fail("must not load or build"))
+    result = startup.prepare_startup("cpu", False, world_size=2, say=lambda s: None)
     assert result.shm_comm == "fallback" and reason in result.reason, result
-    assert compatible_ops[ops.SHM_COMM] is False  # deepspeed's build_shm_op() now returns None
+    assert compatible_ops[build.SHM_COMM] is False  # deepspeed's build_shm_op() now returns None
     said = [str(w.message) for w in recwarn if "shared-memory comm op" in str(w.message)]
     assert len(said) == (1 if warns else 0), said
 
@@ -312,43 +313,44 @@ def test_fallback_is_decided_before_deepspeed_builds(
 def test_shm_on_loads_the_op_and_warns_when_it_cannot_engage(
     ext_dir: Path, compatible_ops: dict[str, bool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(ops.SHM_MODE_ENV, "on")
+    monkeypatch.setenv(startup.SHM_MODE_ENV, "on")
     monkeypatch.delenv("LOCAL_SIZE", raising=False)
     loaded: list[str] = []
-    monkeypatch.setattr(ops, "load_op", lambda name, builder, say: loaded.append(name))
+    monkeypatch.setattr(startup, "load_op", lambda name, builder, say: loaded.append(name))
     with pytest.warns(UserWarning, match="LOCAL_SIZE equals the world size"):
-        result = ops.prepare_startup("cpu", {}, world_size=2, say=lambda s: None)
-    assert result.shm_comm == "loaded" and loaded == [ops.SHM_COMM]
-    assert compatible_ops[ops.SHM_COMM] is True
+        result = startup.prepare_startup("cpu", False, world_size=2, say=lambda s: None)
+    assert result.shm_comm == "loaded" and loaded == [build.SHM_COMM]
+    assert compatible_ops[build.SHM_COMM] is True
 
 
-def test_failed_build_falls_back(ext_dir: Path, compatible_ops: dict[str, bool], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ops.SHM_MODE_ENV, "on")
+def test_failed_build_falls_back(
+    ext_dir: Path, compatible_ops: dict[str, bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(startup.SHM_MODE_ENV, "on")
 
     def fail(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("Error building extension 'deepspeed_shm_comm'")
 
-    monkeypatch.setattr(ops, "load_op", fail)
+    monkeypatch.setattr(startup, "load_op", fail)
     with pytest.warns(UserWarning, match="its build failed"):
-        result = ops.prepare_startup("cpu", {}, world_size=2, say=lambda s: None)
-    assert result.shm_comm == "fallback" and compatible_ops[ops.SHM_COMM] is False
+        result = startup.prepare_startup("cpu", False, world_size=2, say=lambda s: None)
+    assert result.shm_comm == "fallback" and compatible_ops[build.SHM_COMM] is False
 
 
 def test_offload_without_buildable_cpu_adam_is_a_clear_error(ext_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ops.SHM_MODE_ENV, "off")
-    monkeypatch.setattr(ops, "installed_ops", lambda: {})
+    monkeypatch.setenv(startup.SHM_MODE_ENV, "off")
+    monkeypatch.setattr(startup, "installed_ops", lambda: {})
 
     def fail(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("Error building extension 'cpu_adam'")
 
-    monkeypatch.setattr(ops, "load_op", fail)
-    config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    monkeypatch.setattr(startup, "load_op", fail)
     with pytest.raises(RuntimeError, match="ZeRO-Offload needs DeepSpeed's cpu_adam.*--build-ops"):
-        ops.prepare_startup("cpu", config, world_size=2, say=lambda s: None)
+        startup.prepare_startup("cpu", offload_optimizer=True, world_size=2, say=lambda s: None)
 
 
 # ------------------------------------------------------------------------------- real processes
-FALLBACK_ENV = {ops.SHM_MODE_ENV: "on", "CXX": "/bin/false"}
+FALLBACK_ENV = {startup.SHM_MODE_ENV: "on", "CXX": "/bin/false"}
 
 
 @pytest.fixture(scope="session")
@@ -356,8 +358,8 @@ def built_shm_ext(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Build the real op in a private dir after a build was killed mid-compile (the lock it left is cleared)."""
     root = tmp_path_factory.mktemp("ext_built")
     env = {"TORCH_EXTENSIONS_DIR": str(root)}
-    cmd = [sys.executable, "-m", "lightning_gaudi_ds.ops", "build", ops.SHM_COMM]
-    lock = root / ops.SHM_COMM / "lock"
+    cmd = [sys.executable, "-m", "lightning_gaudi_ds.jit_ops", "build", build.SHM_COMM]
+    lock = root / build.SHM_COMM / "lock"
     from tests.procs import job_env
 
     proc = subprocess.Popen(cmd, env=job_env(env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -369,18 +371,18 @@ def built_shm_ext(tmp_path_factory: pytest.TempPathFactory) -> Path:
     time.sleep(2.0)  # let ninja start its compiles
     os.killpg(proc.pid, signal.SIGKILL)  # python and ninja; ninja's compiles run in their own process groups
     proc.wait()
-    info = ops.inspect_lock(lock)
+    info = locks.inspect_lock(lock)
     assert info.exists and not info.holders, info  # stale, or live only through orphaned compiles
     for pid in info.builders:  # ours (the killed build's compiles): end them rather than wait minutes
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 30
-    while ops.inspect_lock(lock).state != "stale" and time.monotonic() < deadline:
+    while locks.inspect_lock(lock).state != "stale" and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert ops.inspect_lock(lock).state == "stale"
+    assert locks.inspect_lock(lock).state == "stale"
     result = run_job(cmd, timeout=900, env=env).check()
     assert "removed a stale" in result.output, result.output
-    assert (root / ops.SHM_COMM / f"{ops.SHM_COMM}.so").is_file()
+    assert (root / build.SHM_COMM / f"{build.SHM_COMM}.so").is_file()
     return root
 
 
@@ -388,14 +390,15 @@ def built_shm_ext(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_two_ranks_clear_a_stale_lock_and_train_with_the_op(built_shm_ext: Path, tmp_path: Path) -> None:
     lock = _plant(built_shm_ext)
     port = str(free_port())
-    env = {"TORCH_EXTENSIONS_DIR": str(built_shm_ext), "LOCAL_SIZE": "2", ops.SHM_MODE_ENV: "on", "MASTER_PORT": port}
+    env = {"TORCH_EXTENSIONS_DIR": str(built_shm_ext), "LOCAL_SIZE": "2", startup.SHM_MODE_ENV: "on",
+           "MASTER_PORT": port}
     result = run_job([sys.executable, str(JOBS / "train_job.py"), "--out", str(tmp_path), "--no-eval",
                       "--max-steps", "2"], timeout=240, env=env).check()
     assert "removed a stale DeepSpeed build lock" in result.output
     assert result.output.count("deepspeed_shm_comm_op built successfully") == 2, result.output[-3000:]
     assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
     assert not lock.exists()
-    segments = [Path("/dev/shm") / ops.shm_segment_name(r, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+    segments = [Path("/dev/shm") / startup.shm_segment_name(r, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
                 for r in range(2)]
     assert not any(p.exists() for p in segments), "DeepSpeed's shm segments leaked"
 
@@ -427,16 +430,16 @@ def test_env_report_names_ops_and_a_stale_lock(ext_dir: Path, capsys: pytest.Cap
     from lightning_gaudi_ds import report
 
     lock = _plant(ext_dir)
-    (ext_dir / ops.CPU_ADAM).mkdir()
-    (ext_dir / ops.CPU_ADAM / f"{ops.CPU_ADAM}.so").write_bytes(b"")
+    (ext_dir / build.CPU_ADAM).mkdir()
+    (ext_dir / build.CPU_ADAM / f"{build.CPU_ADAM}.so").write_bytes(b"")
     info = report.collect()
     assert info["device"] == "cpu" and info["backend"] == "gloo"
     assert {"torch", "lightning", "deepspeed", "habana_frameworks"} <= set(info["versions"])
-    assert info["ops"][ops.SHM_COMM]["state"] == "not built"
-    assert info["ops"][ops.CPU_ADAM] == {"state": "built", "path": str(ext_dir / ops.CPU_ADAM / "cpu_adam.so"),
-                                         "purpose": ops.OPS[ops.CPU_ADAM].purpose}
+    assert info["ops"][build.SHM_COMM]["state"] == "not built"
+    assert info["ops"][build.CPU_ADAM] == {"state": "built", "path": str(ext_dir / build.CPU_ADAM / "cpu_adam.so"),
+                                         "purpose": build.OPS[build.CPU_ADAM].purpose}
     text = report.render(info)
-    assert f"STALE   {lock}" in text and ops.FIX_COMMAND in text and ops.BUILD_COMMAND in text
+    assert f"STALE   {lock}" in text and locks.FIX_COMMAND in text and build.BUILD_COMMAND in text
 
     parser = __import__("argparse").ArgumentParser()
     report.add_arguments(parser)
@@ -447,8 +450,8 @@ def test_env_report_names_ops_and_a_stale_lock(ext_dir: Path, capsys: pytest.Cap
 
 @pytest.mark.multiprocess
 def test_prebuild_without_a_compiler_fails_clearly(ext_dir: Path) -> None:
-    result = run_job([sys.executable, "-m", "lightning_gaudi_ds.ops", "build", ops.SHM_COMM], timeout=300,
+    result = run_job([sys.executable, "-m", "lightning_gaudi_ds.jit_ops", "build", build.SHM_COMM], timeout=300,
                      env={"TORCH_EXTENSIONS_DIR": str(ext_dir), "CXX": "/bin/false"})
     assert not result.timed_out and result.returncode == 1, result.output[-3000:]
-    assert f"{ops.SHM_COMM}   FAILED" in result.output and "/bin/false" in result.output  # torch's reason
-    assert not (ext_dir / ops.SHM_COMM / "lock").exists()
+    assert f"{build.SHM_COMM}   FAILED" in result.output and "/bin/false" in result.output  # torch's reason
+    assert not (ext_dir / build.SHM_COMM / "lock").exists()

@@ -1,38 +1,38 @@
-"""Sharded ZeRO checkpoints: validation, crash-safe saves, world-size changes and fp32 export.
+"""What a checkpoint directory holds, whether it is complete, and how a save is made crash-safe.
 
 A checkpoint is the directory DeepSpeed writes (``latest``, ``<tag>/`` with ``*_model_states.pt`` and one
-``*_optim_states.pt`` shard per data-parallel rank). :class:`~lightning_gaudi_ds.HPUDeepSpeedStrategy` saves
-it into ``<name>.partial`` next to its final place, waits until every rank has written, adds a manifest
-(``lightning_gaudi_ds_manifest.json``: every file and its size, stage, world size) and only then moves it
-into place. A directory without a manifest or with a file missing is reported as incomplete, by name.
-
-Also the ``lightning-gaudi-ds convert CHECKPOINT_DIR OUTPUT_FILE [--tag T]`` subcommand.
+``*_optim_states.pt`` shard per data-parallel rank). It is written into ``<name>.partial`` next to its final place;
+once every rank has written, rank 0 adds a manifest (``lightning_gaudi_ds_manifest.json``: every file and its
+size, stage, world size) and only then moves it into place. A directory without a manifest or with a file missing
+is reported as incomplete, by name.
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Protocol, TypeVar
 
 import torch
-from lightning.fabric.utilities.types import _PATH
+
+from lightning_gaudi_ds import _compat
 
 log = logging.getLogger(__name__)
 
+PathLike = str | os.PathLike[str]
 MANIFEST = "lightning_gaudi_ds_manifest.json"
 PARTIAL = ".partial"  # a save in progress, or one that was interrupted
 REPLACED = ".replaced"  # the previous checkpoint of the same name, while the new one is moved into place
 DELETING = ".deleting"  # a checkpoint being removed (top-k rotation)
-UNIVERSAL = "universal"  # sub-directory: DeepSpeed universal checkpoint made for a world-size change
 _FORMAT = 1
+T = TypeVar("T")
 
 
 class CheckpointError(ValueError):
@@ -69,14 +69,12 @@ def _expected_shards(tag_dir: Path, zero_stage: int, world_size: int, mp_world_s
     """The files DeepSpeed writes for this stage and world size (names relative to ``tag_dir``)."""
     names = []
     for mp in range(mp_world_size):
-        if zero_stage == 3:
-            names += [f"zero_pp_rank_{r}_mp_rank_{mp:02d}_model_states.pt" for r in range(world_size)]
-        else:
-            names.append(f"mp_rank_{mp:02d}_model_states.pt")
+        ranks_with_model_states = range(world_size) if zero_stage == 3 else range(1)
+        names += [_compat.model_states_name(zero_stage, r, mp) for r in ranks_with_model_states]
         if zero_stage > 0:
             for r in range(world_size):
-                plain = f"zero_pp_rank_{r}_mp_rank_{mp:02d}_optim_states.pt"
-                names.append(f"bf16_{plain}" if (tag_dir / f"bf16_{plain}").exists() else plain)
+                bf16 = _compat.optim_states_name(r, mp, bf16=True)
+                names.append(bf16 if (tag_dir / bf16).exists() else _compat.optim_states_name(r, mp))
     return names
 
 
@@ -92,8 +90,7 @@ def _read_model_states_meta(tag_dir: Path) -> tuple[int, int, int]:
             f"{candidates[0]} is unreadable, probably cut short by an interrupted save ({type(err).__name__}: {err})."
             " Resume from another checkpoint."
         ) from err
-    zero = (state.get("ds_config") or {}).get("zero_optimization") or {}
-    return int(zero.get("stage", 0)), int(state.get("dp_world_size", 1)), int(state.get("mp_world_size", 1))
+    return _compat.model_states_meta(state)
 
 
 def _is_ds_checkpoint(path: Path) -> bool:
@@ -105,7 +102,7 @@ def _interrupted_saves(path: Path) -> list[Path]:
 
 
 def validate_checkpoint(
-    checkpoint_dir: _PATH, tag: Optional[str] = None, zero_stage: Optional[int] = None
+    checkpoint_dir: PathLike, tag: str | None = None, zero_stage: int | None = None
 ) -> CheckpointInfo:
     """Check that ``checkpoint_dir`` is a complete ZeRO checkpoint (of ``zero_stage``, if given).
 
@@ -194,7 +191,7 @@ def validate_checkpoint(
     return info
 
 
-def _missing_shards(path: Path, tag: Optional[str]) -> list[str]:
+def _missing_shards(path: Path, tag: str | None) -> list[str]:
     """The shards (``<tag>/<file>``) missing from a checkpoint without manifest, as far as they can be told."""
     tag_dirs = [path / tag] if tag else sorted(p for p in path.iterdir() if p.is_dir())
     for tag_dir in tag_dirs:
@@ -211,7 +208,7 @@ def _incomplete(path: Path, missing: list[str], what: str = "") -> IncompleteChe
     if path.name.endswith(PARTIAL):
         final = path.with_name(path.name[: -len(PARTIAL)])
         hint = f"It is an unfinished save of {final.name}"
-        hint += f", which still holds the previous complete checkpoint." if final.exists() else "."
+        hint += ", which still holds the previous complete checkpoint." if final.exists() else "."
         hint += " Resume from a complete checkpoint; this directory can be deleted."
     else:
         hint = "A rank did not finish writing it, or files were lost: resume from another checkpoint."
@@ -220,7 +217,7 @@ def _incomplete(path: Path, missing: list[str], what: str = "") -> IncompleteChe
     )
 
 
-def _read_manifest(path: Path) -> Optional[dict[str, Any]]:
+def _read_manifest(path: Path) -> dict[str, Any] | None:
     file = path / MANIFEST
     if not file.is_file():
         return None
@@ -234,13 +231,13 @@ def _read_manifest(path: Path) -> Optional[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------- crash-safe save
-def partial_path(final: _PATH) -> Path:
+def partial_path(final: PathLike) -> Path:
     """Where a checkpoint is written before it is complete: ``<name>.partial`` next to ``final``."""
     final = Path(final)
     return final.with_name(final.name + PARTIAL)
 
 
-def prepare_save(final: _PATH) -> Path:
+def prepare_save(final: PathLike) -> Path:
     """Rank 0, before a save: remove what an earlier interrupted save of ``final`` left; return the staging dir."""
     final = Path(final)
     staging = partial_path(final)
@@ -254,7 +251,9 @@ def prepare_save(final: _PATH) -> Path:
     return staging
 
 
-def commit_save(staging: _PATH, final: _PATH, zero_stage: int, world_size: int, weights_only: bool = False) -> None:
+def commit_save(
+    staging: PathLike, final: PathLike, zero_stage: int, world_size: int, weights_only: bool = False
+) -> None:
     """Rank 0, after every rank finished writing ``staging``: add the manifest and move it to ``final``.
 
     ``final`` is replaced atomically where the OS can swap two directories (Linux ``renameat2``); elsewhere it is
@@ -291,7 +290,7 @@ def commit_save(staging: _PATH, final: _PATH, zero_stage: int, world_size: int, 
     _fsync(final.parent)
 
 
-def remove_checkpoint(path: _PATH) -> None:
+def remove_checkpoint(path: PathLike) -> None:
     """Delete a checkpoint so that no half-deleted one is ever left under its name (rename, then delete)."""
     path = Path(path)
     if path.is_symlink() or path.is_file():
@@ -344,156 +343,26 @@ def _versions() -> dict[str, str]:
     return {"deepspeed": deepspeed.__version__, "lightning": lightning.__version__, "torch": torch.__version__}
 
 
-# ------------------------------------------------------------------------------------- world-size changes
-def on_rank_zero(strategy: Any, what: str, fn: Callable[[], None]) -> None:
+# ------------------------------------------------------------------------------------------ rank zero
+class RankZeroComm(Protocol):
+    """What :func:`on_rank_zero` needs from the running job (Lightning's strategies have both)."""
+
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    def broadcast(self, obj: T, src: int = 0) -> T: ...
+
+
+def on_rank_zero(comm: RankZeroComm, what: str, fn: Callable[[], object]) -> None:
     """Run ``fn`` on global rank 0 only. If it fails, every rank raises (rather than wait in a barrier forever)."""
-    failure: Optional[BaseException] = None
-    if strategy.is_global_zero:
+    failure: BaseException | None = None
+    if comm.is_global_zero:
         try:
             fn()
         except Exception as err:  # noqa: BLE001  (re-raised below, on every rank)
             failure = err
-    message = strategy.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}")
+    message = comm.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}")
     if failure is not None:
         raise failure
     if message is not None:
         raise CheckpointError(f"{what} failed on rank 0: {message}")
-
-
-def universal_checkpoint(info: CheckpointInfo, strategy: Any) -> Path:
-    """DeepSpeed universal form of ``info`` (made once, by rank 0, into ``<checkpoint>/universal``).
-
-    Loadable on any number of ranks with the ``load_universal_checkpoint`` engine option; returns its root.
-    """
-    root = info.path / UNIVERSAL
-
-    def convert() -> None:
-        if (root / "latest_universal").is_file():
-            return
-        from deepspeed.checkpoint import ds_to_universal
-
-        work = root.with_name(UNIVERSAL + PARTIAL)
-        _rmtree(work)
-        args = argparse.Namespace(
-            input_folder=str(info.tag_dir), output_folder=str(work / info.tag), num_extract_workers=1,
-            num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True,
-        )
-        log.info("Converting %s (%d ranks) to a universal checkpoint in %s", info.path, info.world_size, root)
-        ds_to_universal.main(args)
-        _rmtree(root)
-        os.replace(work, root)
-
-    on_rank_zero(strategy, f"Converting {info.path} to a DeepSpeed universal checkpoint", convert)
-    return root
-
-
-def load_resharded(strategy: Any, info: CheckpointInfo) -> dict[str, Any]:
-    """Load a checkpoint written by another number of ranks into ``strategy``'s engine; return the client state.
-
-    Fitting: weights *and* optimizer state, through DeepSpeed's universal checkpoint. Evaluating: weights only,
-    merged to fp32 by ``zero_to_fp32`` (an inference engine has no optimizer for the universal loader).
-    """
-    from lightning.pytorch.trainer.states import TrainerFn
-    from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
-    module = strategy.lightning_module
-    engine = strategy.deepspeed_engine
-    rank_zero_info(
-        f"Checkpoint {info.path} was saved by {info.world_size} ranks and is loaded on {strategy.world_size}:"
-        " resharding it."
-    )
-    if module.trainer.state.fn == TrainerFn.FITTING and getattr(engine, "optimizer", None) is not None:
-        root = universal_checkpoint(info, strategy)
-        engine._config.load_universal_checkpoint = True
-        try:
-            _, client_state = engine.load_checkpoint(
-                str(root), tag=info.tag, load_optimizer_states=True, load_lr_scheduler_states=False,
-                load_module_strict=module.strict_loading,
-            )
-        finally:
-            engine._config.load_universal_checkpoint = False
-    else:
-        client_state = _load_fp32_weights(strategy, info)
-    if client_state is None:
-        raise CheckpointError(f"DeepSpeed could not load the resharded checkpoint {info.path}.")
-    return client_state
-
-
-def _load_fp32_weights(strategy: Any, info: CheckpointInfo) -> dict[str, Any]:
-    """Weights of ``info`` merged to fp32 and copied into the (possibly ZeRO-3 partitioned) module."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(info.path), info.tag)
-    module = strategy.lightning_module
-    if strategy.zero_stage_3:
-        import deepspeed
-
-        params = list(module.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-            if strategy.is_global_zero:
-                module.load_state_dict(state_dict, strict=module.strict_loading)
-    else:
-        with torch.no_grad():
-            module.load_state_dict(state_dict, strict=module.strict_loading)
-    model_file = sorted(info.tag_dir.glob("*model_states.pt"))[0]
-    return torch.load(model_file, map_location="cpu", weights_only=False)
-
-
-# ------------------------------------------------------------------------------------------- fp32 export
-def convert_zero_checkpoint_to_fp32_state_dict(
-    checkpoint_dir: _PATH, output_file: _PATH, tag: Optional[str] = None
-) -> dict[str, Any]:
-    """Merge a sharded ZeRO checkpoint (stage 0-3, any world size) into one fp32 Lightning checkpoint file.
-
-    The file loads without DeepSpeed: ``Model.load_from_checkpoint(output_file)`` or
-    ``model.load_state_dict(torch.load(output_file)["state_dict"], strict=True)``. It keeps the Lightning
-    state (epoch, global step, hyper-parameters, loops, callbacks) but no optimizer state. Uses DeepSpeed's
-    ``zero_to_fp32``, which merges the fp32 master weights of every rank's shard.
-    """
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    info = validate_checkpoint(checkpoint_dir, tag=tag)
-    model_file = next(info.tag_dir.glob("mp_rank_00_model_states.pt"), None) or next(
-        info.tag_dir.glob("zero_pp_rank_0_mp_rank_00_model_states.pt")
-    )
-    client_state = torch.load(model_file, map_location="cpu", weights_only=False)
-    if info.zero_stage == 0:
-        state_dict = {k: v.float() if v.is_floating_point() else v for k, v in client_state["module"].items()}
-    else:
-        state_dict = get_fp32_state_dict_from_zero_checkpoint(str(info.path), info.tag)
-    deepspeed_keys = {
-        "module", "optimizer", "lr_scheduler", "csr_tensor_module_names", "skipped_steps", "global_steps",
-        "global_samples", "dp_world_size", "mp_world_size", "buffer_names", "param_shapes", "frozen_param_shapes",
-        "shared_params", "frozen_param_fragments", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-        "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info",
-    }
-    checkpoint = {k: v for k, v in client_state.items() if k not in deepspeed_keys}
-    checkpoint["state_dict"] = {_strip(k, "_forward_module."): v for k, v in state_dict.items()}
-    output_file = Path(output_file)
-    output_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output_file.with_name(output_file.name + PARTIAL)
-    torch.save(checkpoint, tmp)
-    os.replace(tmp, output_file)
-    return checkpoint
-
-
-def _strip(key: str, prefix: str) -> str:
-    return key[len(prefix):] if key.startswith(prefix) else key
-
-
-# ------------------------------------------------------------------------------------------------ CLI
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint_dir", help="DeepSpeed checkpoint directory (e.g. 'epoch=0-step=100.ckpt')")
-    parser.add_argument("output_file", help="single fp32 checkpoint file to write")
-    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one in the manifest or `latest`)")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        checkpoint = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_file, args.tag)
-    except CheckpointError as err:
-        print(f"error: {err}")
-        return 2
-    numel = sum(t.numel() for t in checkpoint["state_dict"].values())
-    print(f"wrote {args.output_file}: {len(checkpoint['state_dict'])} tensors, {numel:,} values (fp32)")
-    return 0

@@ -1,0 +1,38 @@
+"""Sharded ZeRO checkpoints: validation and crash-safe saves (``io``), world-size changes (``reshard``), and one
+fp32 file for plain PyTorch (``convert``). Nothing here knows the strategy: it passes plain values and an object
+with rank 0's ``broadcast``.
+"""
+
+from lightning_gaudi_ds.checkpoint.convert import convert_zero_checkpoint_to_fp32_state_dict
+from lightning_gaudi_ds.checkpoint.io import (
+    MANIFEST,
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+    commit_save,
+    on_rank_zero,
+    partial_path,
+    prepare_save,
+    remove_checkpoint,
+    validate_checkpoint,
+)
+from lightning_gaudi_ds.checkpoint.reshard import UNIVERSAL, load_resharded, universal_checkpoint
+
+__all__ = [
+    "MANIFEST",
+    "UNIVERSAL",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointNotFoundError",
+    "IncompleteCheckpointError",
+    "commit_save",
+    "convert_zero_checkpoint_to_fp32_state_dict",
+    "load_resharded",
+    "on_rank_zero",
+    "partial_path",
+    "prepare_save",
+    "remove_checkpoint",
+    "universal_checkpoint",
+    "validate_checkpoint",
+]

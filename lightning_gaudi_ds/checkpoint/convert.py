@@ -1,0 +1,98 @@
+"""One fp32 Lightning checkpoint file from a sharded ZeRO checkpoint; also ``lightning-gaudi-ds convert``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.deepspeed import (
+    convert_zero_checkpoint_to_fp32_state_dict as _lightning_convert,
+)
+
+from lightning_gaudi_ds import _compat
+from lightning_gaudi_ds.checkpoint.io import PARTIAL, CheckpointError, CheckpointInfo, PathLike, validate_checkpoint
+
+# Keys of a model-states file that Lightning's converter leaves out of the Lightning state (lightning 2.6.6).
+_DEEPSPEED_KEYS = ("module", "optimizer", "lr_scheduler", "csr_tensor_module_names", "skipped_steps", "global_steps",
+                   "dp_world_size", "mp_world_size")
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir: PathLike, output_file: PathLike, tag: str | None = None
+) -> dict[str, Any]:
+    """Merge a sharded ZeRO checkpoint (stage 0-3, any world size) into one fp32 Lightning checkpoint file.
+
+    The file loads without DeepSpeed: ``Model.load_from_checkpoint(output_file)`` or
+    ``model.load_state_dict(torch.load(output_file)["state_dict"], strict=True)``. It keeps the Lightning
+    state (epoch, global step, hyper-parameters, loops, callbacks) but no optimizer state.
+
+    Lightning's function of the same name (2.6.6) does the merge, after the checkpoint is validated here (a
+    missing, partial or foreign directory gets an error that says what to pass instead). Around it, this one:
+
+    * converts stage 0 too (Lightning's reads the ZeRO optimizer shards, which stage 0 does not write);
+    * reads the Lightning state from ``tag`` (Lightning's always reads the ``latest`` tag's);
+    * writes ``output_file`` atomically (a ``.partial`` file renamed into place) and creates its folder.
+
+    Frozen parameters are merged when the checkpoint holds them; a checkpoint saved with
+    ``exclude_frozen_parameters=True`` converts without them, as in Lightning.
+    """
+    info = validate_checkpoint(checkpoint_dir, tag=tag)
+    output_file = Path(output_file)
+    output_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output_file.with_name(output_file.name + PARTIAL)
+    if info.zero_stage == 0:
+        checkpoint = _convert_stage_0(info, tmp)
+    else:
+        with _with_latest_tag(info) as directory:
+            checkpoint = _lightning_convert(directory, tmp, info.tag)
+    os.replace(tmp, output_file)
+    return checkpoint
+
+
+@contextlib.contextmanager
+def _with_latest_tag(info: CheckpointInfo) -> Iterator[Path]:
+    """``info.path``, or where its ``latest`` names another tag, a temporary view of it in which it is ``info.tag``."""
+    latest = info.path / "latest"
+    if latest.is_file() and latest.read_text().strip() == info.tag:
+        yield info.path
+        return
+    with tempfile.TemporaryDirectory(prefix="lightning_gaudi_ds-convert-") as view:
+        (Path(view) / "latest").write_text(info.tag)
+        (Path(view) / info.tag).symlink_to(info.tag_dir.resolve(), target_is_directory=True)
+        yield Path(view)
+
+
+def _convert_stage_0(info: CheckpointInfo, output_file: Path) -> dict[str, Any]:
+    """Stage 0 keeps whole weights in the model-states file: cast them to fp32, keep the same keys as Lightning."""
+    state = torch.load(info.tag_dir / _compat.model_states_name(0, 0), map_location="cpu", weights_only=False)
+    checkpoint = {k: v for k, v in state.items() if k not in _DEEPSPEED_KEYS}
+    checkpoint["state_dict"] = {
+        k.removeprefix("_forward_module."): v.float() if v.is_floating_point() else v
+        for k, v in state["module"].items()
+    }
+    torch.save(checkpoint, output_file)
+    return checkpoint
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint_dir", help="DeepSpeed checkpoint directory (e.g. 'epoch=0-step=100.ckpt')")
+    parser.add_argument("output_file", help="single fp32 checkpoint file to write")
+    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one in the manifest or `latest`)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        checkpoint = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_file, args.tag)
+    except CheckpointError as err:
+        print(f"error: {err}")
+        return 2
+    numel = sum(t.numel() for t in checkpoint["state_dict"].values())
+    print(f"wrote {args.output_file}: {len(checkpoint['state_dict'])} tensors, {numel:,} values (fp32)")
+    return 0

@@ -1,0 +1,110 @@
+"""Loading a checkpoint written by another number of ranks.
+
+DeepSpeed's own loader refuses a different data-parallel world size. For training, the checkpoint is converted
+once (by rank 0) into DeepSpeed's universal form, which every rank re-partitions on load: weights *and*
+optimizer state. For evaluation, the weights are merged to fp32 by ``zero_to_fp32`` instead: an inference engine
+has no optimizer for the universal loader to fill.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch.nn import Module
+
+from lightning_gaudi_ds import _compat
+from lightning_gaudi_ds.checkpoint.io import (
+    PARTIAL,
+    CheckpointError,
+    CheckpointInfo,
+    RankZeroComm,
+    _rmtree,
+    on_rank_zero,
+)
+
+log = logging.getLogger(__name__)
+
+UNIVERSAL = "universal"  # sub-directory of a checkpoint: its universal form, made for a world-size change
+
+
+class ReshardComm(RankZeroComm, Protocol):
+    """What resharding needs from the running job: its size, and rank 0's broadcast (Lightning's strategies)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+
+def universal_checkpoint(info: CheckpointInfo, comm: RankZeroComm) -> Path:
+    """DeepSpeed universal form of ``info`` (made once, by rank 0, into ``<checkpoint>/universal``).
+
+    Loadable on any number of ranks with the ``load_universal_checkpoint`` engine option; returns its root.
+    """
+    root = info.path / UNIVERSAL
+
+    def convert() -> None:
+        if (root / "latest_universal").is_file():
+            return
+        work = root.with_name(UNIVERSAL + PARTIAL)
+        _rmtree(work)
+        log.info("Converting %s (%d ranks) to a universal checkpoint in %s", info.path, info.world_size, root)
+        _compat.ds_to_universal(info.tag_dir, work / info.tag)
+        _rmtree(root)
+        os.replace(work, root)
+
+    on_rank_zero(comm, f"Converting {info.path} to a DeepSpeed universal checkpoint", convert)
+    return root
+
+
+def load_resharded(
+    info: CheckpointInfo, comm: ReshardComm, engine: Any, module: Module, *, fitting: bool, strict: bool = True
+) -> dict[str, Any]:
+    """Load ``info``, written by another number of ranks, into ``engine``; return the client (Lightning) state.
+
+    Args:
+        info: the checkpoint, validated against the running ZeRO stage (``validate_checkpoint(zero_stage=...)``).
+        comm: the running job (world size, rank 0, broadcast).
+        engine: the DeepSpeed engine built for this run.
+        module: the module the engine wraps.
+        fitting: restore the optimizer state too (needs an engine with an optimizer).
+        strict: the module's ``strict_loading``.
+    """
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    rank_zero_info(
+        f"Checkpoint {info.path} was saved by {info.world_size} ranks and is loaded on {comm.world_size}:"
+        " resharding it."
+    )
+    if fitting and getattr(engine, "optimizer", None) is not None:
+        root = universal_checkpoint(info, comm)
+        with _compat.universal_checkpoint_loading(engine):
+            _, client_state = engine.load_checkpoint(
+                str(root), tag=info.tag, load_optimizer_states=True, load_lr_scheduler_states=False,
+                load_module_strict=strict,
+            )
+    else:
+        client_state = _load_fp32_weights(info, comm, module, strict)
+    if client_state is None:
+        raise CheckpointError(f"DeepSpeed could not load the resharded checkpoint {info.path}.")
+    return client_state
+
+
+def _load_fp32_weights(info: CheckpointInfo, comm: RankZeroComm, module: Module, strict: bool) -> dict[str, Any]:
+    """Weights of ``info`` merged to fp32 and copied into the (possibly ZeRO-3 partitioned) module."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(info.path), info.tag)
+    if info.zero_stage == 3:  # the module's parameters are partitions: gather, load on rank 0, re-partition
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+            if comm.is_global_zero:
+                module.load_state_dict(state_dict, strict=strict)
+    else:
+        with torch.no_grad():
+            module.load_state_dict(state_dict, strict=strict)
+    model_file = sorted(info.tag_dir.glob("*model_states.pt"))[0]
+    return torch.load(model_file, map_location="cpu", weights_only=False)
