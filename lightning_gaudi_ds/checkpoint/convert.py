@@ -18,7 +18,8 @@ from lightning.pytorch.utilities.deepspeed import (
 from lightning_gaudi_ds import _compat
 from lightning_gaudi_ds.checkpoint.io import PARTIAL, CheckpointError, CheckpointInfo, PathLike, validate_checkpoint
 
-# Keys of a model-states file that Lightning's converter leaves out of the Lightning state (lightning 2.6.6).
+# The DeepSpeed keys Lightning's converter drops from the Lightning state, copied from lightning 2.6.6 unchanged, so
+# that a stage-0 file (converted here) has the same keys as a stage 1-3 file (converted by Lightning).
 _DEEPSPEED_KEYS = ("module", "optimizer", "lr_scheduler", "csr_tensor_module_names", "skipped_steps", "global_steps",
                    "dp_world_size", "mp_world_size")
 
