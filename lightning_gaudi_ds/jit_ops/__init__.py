@@ -4,10 +4,6 @@ loading without hanging (``build``), and what each rank does before ``deepspeed.
 ``python -m lightning_gaudi_ds.jit_ops build [OP ...]`` builds them now (scripts/setup.sh runs it).
 """
 
-# Lightning before _compat: importing Lightning makes this package register its strategy, whose imports need
-# _compat (which imports Lightning) complete.
-import lightning  # noqa: F401, I001
-
 from lightning_gaudi_ds.jit_ops.build import CPU_ADAM, OPS, SHM_COMM, build_ops, load_op
 from lightning_gaudi_ds.jit_ops.locks import BuildLockError, LockInfo, clear_stale_locks, inspect_lock, scan_locks
 from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV, StartupOps, prepare_startup
