@@ -817,15 +817,15 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         if self.load_full_weights and self.zero_stage_3:
             return super().load_checkpoint(checkpoint_path, weights_only)
         info = ckpt.validate_checkpoint(checkpoint_path, zero_stage=self.zero_stage)
-        trainer = attached_trainer(self.lightning_module)
-        if self.zero_stage_3 and trainer is not None and trainer.state.fn != TrainerFn.FITTING:
+        module = self.lightning_module
+        trainer = attached_trainer(module)
+        if self.zero_stage_3 and module is not None and trainer is not None and trainer.state.fn != TrainerFn.FITTING:
             # DeepSpeed's loader ends by restoring an optimizer's fp32 partitions from the weights, which an
             # evaluation engine has none of ("'DeepSpeedZeRoOffload' object has no attribute
             # '_restore_from_bit16_weights'"): load the merged weights instead, from any number of ranks.
-            return ckpt._load_fp32_weights(self, info)
+            return ckpt.load_fp32_weights(info, self, module, strict=module.strict_loading)
         if info.world_size == self.world_size or info.zero_stage == 0:  # stage 0: DeepSpeed's own loader
             return super().load_checkpoint(checkpoint_path, weights_only)
-        module = self.lightning_module
         assert module is not None
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         return ckpt.load_resharded(info, self, self.deepspeed_engine, module, fitting=fitting,

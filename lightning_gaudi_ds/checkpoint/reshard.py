@@ -86,14 +86,15 @@ def load_resharded(
                 load_module_strict=strict,
             )
     else:
-        client_state = _load_fp32_weights(info, comm, module, strict)
+        client_state = load_fp32_weights(info, comm, module, strict)
     if client_state is None:
         raise CheckpointError(f"DeepSpeed could not load the resharded checkpoint {info.path}.")
     return client_state
 
 
-def _load_fp32_weights(info: CheckpointInfo, comm: RankZeroComm, module: Module, strict: bool) -> dict[str, Any]:
-    """Weights of ``info`` merged to fp32 and copied into the (possibly ZeRO-3 partitioned) module."""
+def load_fp32_weights(info: CheckpointInfo, comm: RankZeroComm, module: Module, strict: bool = True) -> dict[str, Any]:
+    """Weights of ``info`` merged to fp32 and copied into the (possibly ZeRO-3 partitioned) module, from any number
+    of ranks; returns the client (Lightning) state. Needs no optimizer: what an evaluation engine can load."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     state_dict = get_fp32_state_dict_from_zero_checkpoint(str(info.path), info.tag)
