@@ -367,6 +367,7 @@ def test_lightning_cli_takes_stage_auto():
     assert parser.parse_args(["--strategy.stage=3"]).strategy.stage == 3
 
 
+@pytest.mark.multiprocess  # starts a python process
 def test_cli_plan_help_imports_no_torch():
     import subprocess
     import sys
