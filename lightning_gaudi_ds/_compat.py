@@ -177,6 +177,14 @@ def mark_step_wrapped_for_lr_scheduler(optimizer: Any) -> None:
     optimizer.step = wrapper
 
 
+def set_process_group_timeout(timeout: Any) -> None:
+    """Set the default process group's collective timeout (a ``timedelta``) after it was created with a shorter one
+    (the bounded rendezvous). torch's private ``_set_pg_timeout`` (torch >= 2.3; gloo and nccl)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timeout)
+
+
 # ================================================================================================= Gaudi (gaudi)
 def created_deepspeed_accelerator() -> str | None:
     """The name of DeepSpeed's global accelerator if it exists already, else None, without creating it.

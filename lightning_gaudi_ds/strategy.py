@@ -15,12 +15,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import time
 import warnings
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -45,6 +48,7 @@ from lightning_gaudi_ds._compat import (
     created_deepspeed_accelerator,
     remove_module_hooks,
     set_deepspeed_accelerator,
+    set_process_group_timeout,
     train_dataloaders,
 )
 from lightning_gaudi_ds.config import (
@@ -76,6 +80,7 @@ from lightning_gaudi_ds.devices import (
 from lightning_gaudi_ds.engine import inference, train
 from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV, prepare_startup
 from lightning_gaudi_ds.launch.environments import check_launcher_world_size, resolve_environment
+from lightning_gaudi_ds.launch.rendezvous import announce_wait, rendezvous_timeout, timed_out_message
 from lightning_gaudi_ds.planning import choose
 from lightning_gaudi_ds.planning.auto import (
     AUTO,
@@ -305,6 +310,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
                 "`HPUDeepSpeedStrategy(stage='auto')` on CPU needs the memory to plan for: pass device_memory"
                 " (e.g. device_memory='24GiB'; on HPU and CUDA it is read from the device)."
             )
+        if self.num_nodes > 1:
+            rendezvous_timeout()  # a bad LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT is refused before any process starts
         # The Trainer's constructor has applied Trainer(deterministic=...) by now.
         self._deterministic_at_trainer = deterministic_state()
         self._deepspeed_hpu_before_trainer = created_deepspeed_accelerator() == "hpu"
@@ -374,6 +381,31 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             for key in shm_default:
                 os.environ.pop(key, None)
         self._init_deepspeed_distributed()
+
+    @override
+    def _init_deepspeed_distributed(self) -> None:
+        # Lightning's call, with the rendezvous bounded by LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT and announced while it
+        # waits (a second node that was never started would otherwise hang silently for the process group's 30
+        # minutes); the process group's own timeout applies again once it has formed.
+        limit = rendezvous_timeout()
+        full = self._timeout if self._timeout is not None else default_pg_timeout
+        env = self.cluster_environment
+        assert env is not None
+        what = (f"rank {self.global_rank} waits for {self.world_size} processes (Trainer(num_nodes={self.num_nodes}) x"
+                f" {self.num_processes} per node) to meet at {env.main_address}:{env.main_port}")
+        self._timeout = min(full, timedelta(seconds=limit))
+        start = time.monotonic()
+        try:
+            with announce_wait(what, limit, enabled=self.local_rank == 0 and self.world_size > 1):
+                super()._init_deepspeed_distributed()
+        except (RuntimeError, TimeoutError) as err:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
+            if time.monotonic() - start < 0.9 * self._timeout.total_seconds():
+                raise
+            raise RuntimeError(timed_out_message(what, limit, err)) from err
+        finally:
+            bounded, self._timeout = self._timeout, full
+        if full > bounded and torch.distributed.is_initialized():
+            set_process_group_timeout(full)
 
     def _validate_device_indices(self) -> None:
         # Lightning's check, wherever devices have an index (CUDA; HPU and CPU devices have none): DeepSpeed takes

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lightning_gaudi_ds.launch import DistributedRunner
-from tests.procs import run_job
+from tests.procs import LiveJob, run_job
 
 
 def _files(root: Path) -> list[Path]:
@@ -222,3 +222,49 @@ def test_huge_configs_give_short_errors(empty_cwd: Path) -> None:
     with pytest.raises(ConfigError) as err:
         HPUDeepSpeedStrategy(config={"gradient_clipping": huge})
     assert len(str(err.value)) < 1000
+
+
+# ------------------------------------------------------------------------------------------------ rendezvous
+_TWO_NODES = """
+import lightning as L
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning_gaudi_ds import HPUDeepSpeedStrategy
+
+trainer = L.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=HPUDeepSpeedStrategy(stage=2), max_steps=1,
+                    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(BoringModel())
+print("TRAINED")
+"""
+
+
+@pytest.mark.multiprocess
+def test_num_nodes_2_without_a_second_node_says_what_it_waits_for_and_fails_in_bounded_time(tmp_path: Path) -> None:
+    script = tmp_path / "two_nodes.py"
+    script.write_text(_TWO_NODES)
+    job = LiveJob([sys.executable, str(script)], env={"LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT": "8"}, cwd=tmp_path)
+    try:
+        first = job.wait_for("waits for 2 processes (Trainer(num_nodes=2) x 1 per node) to meet at 127.0.0.1:",
+                             timeout=120)
+        result = job.wait(timeout=60)
+    finally:
+        job.kill()
+    assert not result.timed_out, result.output[-3000:]
+    ended = job.lines[-1][0]
+    assert result.returncode != 0 and "TRAINED" not in result.output
+    assert "The ranks did not meet within 8 s" in result.output and "NODE_RANK" in result.output
+    assert "lightning-gaudi-ds spawn --hostfile hosts" in result.output and "LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT" in \
+        result.output
+    assert result.output.count("waited ") >= 2  # it keeps saying it
+    assert ended - first < 30  # bounded: 8 s, plus start-up of the error path
+    assert job.leftovers() == []
+    assert _files(tmp_path) == [script]
+
+
+def test_a_bad_rendezvous_timeout_is_refused_at_trainer_construction(empty_cwd: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+
+    monkeypatch.setenv("LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT", "-3")
+    with pytest.raises(ValueError, match=r"LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT='-3': pass the seconds"):
+        _trainer(empty_cwd, HPUDeepSpeedStrategy(), num_nodes=2)
+    assert _files(empty_cwd) == []
