@@ -268,3 +268,67 @@ def test_a_bad_rendezvous_timeout_is_refused_at_trainer_construction(empty_cwd: 
     with pytest.raises(ValueError, match=r"LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT='-3': pass the seconds"):
         _trainer(empty_cwd, HPUDeepSpeedStrategy(), num_nodes=2)
     assert _files(empty_cwd) == []
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+def _stage_0_checkpoint(root: Path) -> Path:
+    import torch
+
+    from tests.test_checkpoint import fake_checkpoint
+
+    path = fake_checkpoint(root, stage=0, world_size=1)
+    model_states = path / "checkpoint" / "mp_rank_00_model_states.pt"
+    state = torch.load(model_states, weights_only=False)
+    state["module"] = {"w": torch.ones(2)}
+    torch.save(state, model_states)
+    return path
+
+
+def test_convert_refuses_to_overwrite_and_leaves_nothing_behind(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from lightning_gaudi_ds.cli import main
+
+    ckpt = _stage_0_checkpoint(tmp_path)
+    existing = tmp_path / "existing.pt"
+    existing.write_text("keep me")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    before = _files(tmp_path)
+    assert main(["convert", str(ckpt), str(existing)]) == 2
+    assert f"error: output '{existing}' exists; pass --overwrite" in capsys.readouterr().out
+    assert existing.read_text() == "keep me"
+    assert main(["convert", str(ckpt), str(folder)]) == 2
+    assert f"error: output '{folder}' is a directory; pass a file name" in capsys.readouterr().out
+    assert main(["convert", str(ckpt), str(ckpt / "checkpoint" / "out.pt")]) == 2
+    assert "is inside the checkpoint" in capsys.readouterr().out
+    assert _files(tmp_path) == before  # no *.partial anywhere
+    assert main(["convert", str(ckpt), str(existing), "--overwrite"]) == 0
+    assert existing.read_bytes()[:2] == b"PK"  # a torch file now
+
+
+def test_a_failed_conversion_removes_its_partial_file_and_new_folders(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_gaudi_ds.checkpoint import convert
+
+    ckpt = _stage_0_checkpoint(tmp_path)
+    before = _files(tmp_path)
+
+    def broken(info: object, out: Path) -> None:
+        out.write_bytes(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(convert, "_convert_stage_0", broken)
+    with pytest.raises(OSError, match="disk full"):
+        convert.convert_zero_checkpoint_to_fp32_state_dict(ckpt, tmp_path / "new" / "dir" / "model.pt")
+    assert _files(tmp_path) == before
+
+
+def test_a_truncated_optimizer_shard_without_manifest_is_named(tmp_path: Path) -> None:
+    from lightning_gaudi_ds.checkpoint import IncompleteCheckpointError, validate_checkpoint
+    from tests.test_checkpoint import fake_checkpoint
+
+    path = fake_checkpoint(tmp_path, stage=2)
+    shard = path / "checkpoint" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shard.write_bytes(shard.read_bytes()[:-40])
+    with pytest.raises(IncompleteCheckpointError,
+                       match=r"missing: checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt \(truncated\)"):
+        validate_checkpoint(path)

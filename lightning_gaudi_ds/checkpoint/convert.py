@@ -25,7 +25,7 @@ _DEEPSPEED_KEYS = ("module", "optimizer", "lr_scheduler", "csr_tensor_module_nam
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(
-    checkpoint_dir: PathLike, output_file: PathLike, tag: str | None = None
+    checkpoint_dir: PathLike, output_file: PathLike, tag: str | None = None, overwrite: bool = True
 ) -> dict[str, Any]:
     """Merge a sharded ZeRO checkpoint (stage 0-3, any world size) into one fp32 Lightning checkpoint file.
 
@@ -38,22 +38,46 @@ def convert_zero_checkpoint_to_fp32_state_dict(
 
     * converts stage 0 too (Lightning's reads the ZeRO optimizer shards, which stage 0 does not write);
     * reads the Lightning state from ``tag`` (Lightning's always reads the ``latest`` tag's);
-    * writes ``output_file`` atomically (a ``.partial`` file renamed into place) and creates its folder.
+    * writes ``output_file`` atomically (a ``.partial`` file renamed into place, removed if the conversion fails)
+      and creates its folder; refuses an ``output_file`` that is a directory or inside the checkpoint, and an
+      existing file unless ``overwrite`` (True, as in Lightning; ``lightning-gaudi-ds convert`` asks for
+      ``--overwrite``).
 
     Frozen parameters are merged when the checkpoint holds them; a checkpoint saved with
     ``exclude_frozen_parameters=True`` converts without them, as in Lightning.
     """
     info = validate_checkpoint(checkpoint_dir, tag=tag)
     output_file = Path(output_file)
+    _check_output(info.path, output_file, overwrite)
+    created = [p for p in (output_file.parent, *output_file.parent.parents) if not p.exists()]
     output_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = output_file.with_name(output_file.name + PARTIAL)
-    if info.zero_stage == 0:
-        checkpoint = _convert_stage_0(info, tmp)
-    else:
-        with _with_latest_tag(info) as directory:
-            checkpoint = _lightning_convert(directory, tmp, info.tag)
-    os.replace(tmp, output_file)
+    try:
+        if info.zero_stage == 0:
+            checkpoint = _convert_stage_0(info, tmp)
+        else:
+            with _with_latest_tag(info) as directory:
+                checkpoint = _lightning_convert(directory, tmp, info.tag)
+        os.replace(tmp, output_file)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        for folder in created:  # innermost first: only the folders this call made, and only if still empty
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
     return checkpoint
+
+
+def _check_output(checkpoint: Path, output_file: Path, overwrite: bool) -> None:
+    out, ckpt = output_file.resolve(), checkpoint.resolve()
+    if out == ckpt or ckpt in out.parents:
+        raise CheckpointError(f"output {str(output_file)!r} is inside the checkpoint {str(checkpoint)!r}; write the"
+                              " fp32 file elsewhere, e.g. 'model.pt'.")
+    if output_file.is_dir():
+        raise CheckpointError(f"output {str(output_file)!r} is a directory; pass a file name, e.g."
+                              f" {str(output_file / 'model.pt')!r}.")
+    if output_file.exists() and not overwrite:
+        raise CheckpointError(f"output {str(output_file)!r} exists; pass --overwrite to replace it, or another name.")
 
 
 @contextlib.contextmanager
@@ -86,11 +110,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint_dir", help="DeepSpeed checkpoint directory (e.g. 'epoch=0-step=100.ckpt')")
     parser.add_argument("output_file", help="single fp32 checkpoint file to write")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one in the manifest or `latest`)")
+    parser.add_argument("--overwrite", action="store_true", help="replace output_file if it exists")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        checkpoint = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_file, args.tag)
+        checkpoint = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_file, args.tag,
+                                                                overwrite=args.overwrite)
     except CheckpointError as err:
         print(f"error: {err}")
         return 2

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import time
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +92,15 @@ def _read_model_states_meta(tag_dir: Path) -> tuple[int, int, int]:
             " Resume from another checkpoint."
         ) from err
     return _compat.model_states_meta(state)
+
+
+def _whole_torch_file(path: Path) -> bool:
+    """Whether a ``torch.save`` file ends with its zip directory (a cut-short file does not); reads only its end."""
+    try:
+        with zipfile.ZipFile(path):
+            return True
+    except (zipfile.BadZipFile, OSError):
+        return False
 
 
 def _is_ds_checkpoint(path: Path) -> bool:
@@ -180,6 +190,9 @@ def validate_checkpoint(
         if missing or incomplete:
             what = f"ZeRO stage {stage}, {world_size} ranks"
             raise _incomplete(path, [*missing, *([MANIFEST] if incomplete else [])], what)
+        cut = [f"{tag}/{p.name} (truncated)" for p in sorted(tag_dir.glob("*.pt")) if not _whole_torch_file(p)]
+        if cut:
+            raise _incomplete(path, cut, f"ZeRO stage {stage}, {world_size} ranks")
         files = {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()}
         info = CheckpointInfo(path, tag, stage, world_size, files, False)
     if zero_stage is not None and info.zero_stage != zero_stage:
