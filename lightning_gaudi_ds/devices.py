@@ -10,6 +10,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities import find_shared_parameters, set_shared_parameters
@@ -21,12 +22,60 @@ from lightning_gaudi_ds.hpu import habana_frameworks_installed, hpu_available
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "DEVICES", "DeviceSpec", "apply_env_defaults", "deterministic_change", "deterministic_state",
+    "DEVICES", "DeviceSpec", "ZERO_DEFAULT_KEYS", "apply_env_defaults", "deterministic_change", "deterministic_state",
     "detect_device_type", "device_spec", "habana_frameworks_installed", "hpu_available",
     "move_keeping_tied_parameters", "validate_precision",
 ]
 
 ALL_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
+
+#: ``zero_optimization`` keys whose best value depends on the device; the strategy fills them where the user's
+#: config (or an explicit strategy argument) does not set them. Stage -> key -> (value, reason).
+ZeroDefaults = Mapping[int, Mapping[str, tuple[Any, str]]]
+ZERO_DEFAULT_KEYS = ("overlap_comm", "reduce_scatter", "contiguous_gradients", "use_multi_rank_bucket_allreduce")
+
+# DeepSpeed 0.19 (stage_1_and_2.py, average_tensor) reduces ZeRO-1/2 gradient buckets three ways:
+# reduce_scatter=false all-reduces the bucket; reduce_scatter=true with use_multi_rank_bucket_allreduce=true (its
+# default) also all-reduces it; reduce_scatter=true with use_multi_rank_bucket_allreduce=false reduces each slice to
+# the rank that owns it. The all-reduce paths plus the all-gather of the updated partitions send 1.5x DDP's bytes,
+# reduce-to-owner 1.0x (benchmarks/README.md, section 6).
+_OWNER = "reduce each gradient slice to its owner: 1.0x DDP's bytes instead of all-reduce's 1.5x"
+_NO_STREAMS = "no streams on CPU: nothing to overlap, only extra buffer copies"
+_CONTIGUOUS = "copy gradients into one flat buffer as they arrive (DeepSpeed's default)"
+_GPU_OVERLAP = "overlap reduction with backward on a side stream (Lightning's and Hugging Face's GPU default)"
+_GAUDI = "Habana's validated Gaudi ZeRO-{} config"
+
+
+def _stages(per_stage: Mapping[int, Mapping[str, tuple[Any, str]]]) -> ZeroDefaults:
+    return {stage: dict(values) for stage, values in per_stage.items()}
+
+
+_CPU_12 = {
+    "overlap_comm": (False, _NO_STREAMS),
+    "reduce_scatter": (True, _OWNER),
+    "use_multi_rank_bucket_allreduce": (False, _OWNER),
+    "contiguous_gradients": (True, _CONTIGUOUS),
+}
+_CUDA_12 = {**_CPU_12, "overlap_comm": (True, _GPU_OVERLAP)}
+_HPU_2 = {key: (False, _GAUDI.format(2)) for key in ("overlap_comm", "reduce_scatter", "contiguous_gradients")}
+
+CPU_ZERO_DEFAULTS = _stages({
+    1: _CPU_12, 2: _CPU_12,
+    3: {"overlap_comm": (False, _NO_STREAMS), "contiguous_gradients": (True, _CONTIGUOUS)},
+})
+CUDA_ZERO_DEFAULTS = _stages({
+    1: _CUDA_12, 2: _CUDA_12,
+    3: {"overlap_comm": (True, _GPU_OVERLAP), "contiguous_gradients": (True, _CONTIGUOUS)},
+})
+# Habana's Gaudi configs (DeepSpeed User Guide for Gaudi, Optimum Habana's DeepSpeed examples): ZeRO-1 without
+# contiguous gradients; ZeRO-2 with overlap, reduce-scatter and contiguous gradients off (HCCL's all-reduce is its
+# fastest path); ZeRO-3 with overlap and reduce-scatter off.
+HPU_ZERO_DEFAULTS = _stages({
+    1: {"overlap_comm": (False, _GAUDI.format(1)), "contiguous_gradients": (False, _GAUDI.format(1))},
+    2: _HPU_2,
+    3: {"overlap_comm": (False, _GAUDI.format(3)), "reduce_scatter": (False, _GAUDI.format(3)),
+        "contiguous_gradients": (True, _GAUDI.format(3))},
+})
 
 
 @dataclass(frozen=True)
@@ -38,17 +87,19 @@ class DeviceSpec:
     deepspeed_accelerator: str  # value of DS_ACCELERATOR
     precisions: tuple[str, ...]
     env_defaults: Mapping[str, str] = field(default_factory=dict)
+    zero_defaults: ZeroDefaults = field(default_factory=dict)  # see ZERO_DEFAULT_KEYS
 
 
 DEVICES: dict[str, DeviceSpec] = {
-    "cpu": DeviceSpec("cpu", "gloo", "cpu", ("32-true", "bf16-mixed", "bf16-true")),
-    "cuda": DeviceSpec("cuda", "nccl", "cuda", ALL_PRECISIONS),
+    "cpu": DeviceSpec("cpu", "gloo", "cpu", ("32-true", "bf16-mixed", "bf16-true"), zero_defaults=CPU_ZERO_DEFAULTS),
+    "cuda": DeviceSpec("cuda", "nccl", "cuda", ALL_PRECISIONS, zero_defaults=CUDA_ZERO_DEFAULTS),
     "hpu": DeviceSpec(
         "hpu",
         "hccl",
         "hpu",
         ALL_PRECISIONS,
         env_defaults=hpu.ENV_DEFAULTS,
+        zero_defaults=HPU_ZERO_DEFAULTS,
     ),
 }
 

@@ -47,6 +47,7 @@ from lightning_gaudi_ds._compat import (
     attached_trainer,
     created_deepspeed_accelerator,
     remove_module_hooks,
+    reset_zero3_trace_at_outer_forward_only,
     set_deepspeed_accelerator,
     set_process_group_timeout,
     train_dataloaders,
@@ -480,6 +481,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             lr_scheduler=lr_scheduler,
             dist_init_required=False,
         )
+        reset_zero3_trace_at_outer_forward_only(engine)
         return engine, ds_optimizer
 
     @override
@@ -512,6 +514,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             model_parameters=[],
             dist_init_required=False,
         )
+        reset_zero3_trace_at_outer_forward_only(self.model)
 
     @override
     def _initialize_deepspeed_train(self, model: Module) -> None:
@@ -694,6 +697,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             config, self.precision_plugin.precision, self.loss_scale, self.loss_scale_window, self.min_loss_scale,
             self.initial_scale_power, self.hysteresis,
         )
+        spec = self.device_spec if self.parallel_devices else None
         total = None
         if fit is not None and "scheduler" in config:
             steps = fit.estimated_stepping_batches
@@ -708,6 +712,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             total_steps=total,
             hidden_size=hidden,
             fitting=fit is not None,
+            device_type=spec.device_type if spec is not None else None,
+            zero_defaults=spec.zero_defaults if spec is not None else {},
         ))
 
     def _choose_configuration(self) -> None:

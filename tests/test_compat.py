@@ -172,6 +172,21 @@ def test_deepspeed_removed_key_tables(name: str) -> None:
     assert isinstance(table, dict)
 
 
+def test_zero3_top_module_reset_hook() -> None:
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    used_by = "_compat.reset_zero3_trace_at_outer_forward_only (ZeRO-3's step reset at the outer forward only)"
+    setup = inspect.getsource(DeepSpeedZeRoOffload.setup_zero_stage3_hooks)
+    assert "self.fwd_pre_hook = self.module.register_forward_pre_hook" in setup and "reset_step()" in setup, (
+        f"{DEEPSPEED} no longer resets ZeRO-3's coordinator in DeepSpeedZeRoOffload.fwd_pre_hook; {used_by}")
+    assert "self.forward_hooks" in inspect.getsource(DeepSpeedZeRoOffload._remove_module_hooks), used_by
+    for name in ("get_param_coordinator",):
+        assert hasattr(DeepSpeedZeRoOffload, name), f"{DEEPSPEED} removed DeepSpeedZeRoOffload.{name}; {used_by}"
+    for name in ("reset_step", "is_complete_trace", "is_invalid_trace"):
+        assert hasattr(PartitionedParameterCoordinator, name), f"{DEEPSPEED} removed coordinator.{name}; {used_by}"
+
+
 def test_torch_lr_scheduler_step_marks() -> None:
     import torch
 
@@ -185,9 +200,9 @@ def test_torch_lr_scheduler_step_marks() -> None:
 
 # ================================================================================================= Gaudi (gaudi)
 def test_created_deepspeed_accelerator() -> None:
+    import deepspeed.accelerator.real_accelerator as real_accelerator
     from deepspeed.accelerator import get_accelerator
 
-    import deepspeed.accelerator.real_accelerator as real_accelerator
     from lightning_gaudi_ds._compat import created_deepspeed_accelerator
 
     assert hasattr(real_accelerator, "ds_accelerator"), (

@@ -47,6 +47,10 @@ ALL_AUTO = {
         "allgather_bucket_size": "auto",
         "stage3_prefetch_bucket_size": "auto",
         "stage3_param_persistence_threshold": "auto",
+        "overlap_comm": "auto",
+        "reduce_scatter": "auto",
+        "contiguous_gradients": "auto",
+        "use_multi_rank_bucket_allreduce": "auto",
     },
 }
 
@@ -206,8 +210,11 @@ class TestResolve:
         assert SEED["train_batch_size"] == "auto"  # input untouched
 
     def test_every_auto_key(self) -> None:
+        from lightning_gaudi_ds.devices import DEVICES
+
         out = resolve_config(ALL_AUTO, ctx(accumulate_grad_batches=4, gradient_clip_val=0.5, hparams=HP,
-                                           total_steps=100, hidden_size=64))
+                                           total_steps=100, hidden_size=64, device_type="cpu",
+                                           zero_defaults=DEVICES["cpu"].zero_defaults))
         c = out.config
         assert (c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"], c["train_batch_size"]) == (8, 4, 64)
         assert c["gradient_clipping"] == 0.5
@@ -218,6 +225,8 @@ class TestResolve:
         z = c["zero_optimization"]
         assert (z["reduce_bucket_size"], z["allgather_bucket_size"]) == (4096, 4096)
         assert (z["stage3_prefetch_bucket_size"], z["stage3_param_persistence_threshold"]) == (3686, 640)
+        assert (z["overlap_comm"], z["contiguous_gradients"]) == (False, True)  # ZeRO-3 on CPU
+        assert "reduce_scatter" not in z and "use_multi_rank_bucket_allreduce" not in z  # DeepSpeed's default
         assert list(dsc.iter_auto(c)) == []
         assert len(out.filled) == len(dsc.AUTO_KEYS)
         assert "optimizer.params.betas = [0.9, 0.99] (hparam betas)" in out.filled

@@ -17,6 +17,10 @@ BUCKET_KEYS = (
     f"{ZERO}.stage3_prefetch_bucket_size",
     f"{ZERO}.stage3_param_persistence_threshold",
 )
+#: Keys whose default depends on the device (the device table's ``zero_defaults``): filled where not set.
+DEVICE_TUNED_KEYS = tuple(
+    f"{ZERO}.{k}" for k in ("overlap_comm", "reduce_scatter", "contiguous_gradients", "use_multi_rank_bucket_allreduce")
+)
 OPTIMIZER_AUTO_KEYS = tuple(f"optimizer.params.{k}" for k in ("lr", "betas", "eps", "weight_decay"))
 SCHEDULER_AUTO_KEYS = tuple(
     f"scheduler.params.{k}" for k in ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")
@@ -32,6 +36,7 @@ AUTO_KEYS: tuple[str, ...] = (
     *OPTIMIZER_AUTO_KEYS,
     *SCHEDULER_AUTO_KEYS,
     *BUCKET_KEYS,
+    *DEVICE_TUNED_KEYS,
 )
 
 #: Keys Lightning always sets from the Trainer: left out of a config, they are filled as if "auto".

@@ -29,6 +29,10 @@ key                                                    value
 ``zero_optimization.allgather_bucket_size``            ``hidden**2``
 ``zero_optimization.stage3_prefetch_bucket_size``      ``int(0.9 * hidden**2)``
 ``zero_optimization.stage3_param_persistence_threshold``  ``10 * hidden``
+``zero_optimization.overlap_comm``, ``reduce_scatter``,   the device table's ``zero_defaults`` for the device type and
+``contiguous_gradients``, ``use_multi_rank_bucket_allreduce``  ZeRO stage [device_type, zero_defaults]; filled also
+                                                       when left out; a key the device has no default for is
+                                                       left to DeepSpeed
 =====================================================  ===============================================================
 
 ``hidden`` (see :func:`hidden_size`): ``config.hidden_size`` of the module or any submodule (Hugging Face models),
@@ -65,6 +69,7 @@ from lightning_gaudi_ds.config.keys import (
     AUTO_KEYS,
     BUCKET_KEYS,
     CONFIG_FILENAME,
+    DEVICE_TUNED_KEYS,
     MISSING,
     STRATEGY_ARG_KEYS,
     TRAINER_KEYS,
@@ -97,6 +102,8 @@ class AutoContext:
     strategy_args: Mapping[str, Any] = field(default_factory=dict)  # arguments the user passed explicitly
     fitting: bool = True  # False (validate/test/predict): sourceless micro batch is 1, optimizer autos stay
     logging_batch_size: int | None = None  # HPUDeepSpeedStrategy(logging_batch_size_per_gpu=N)
+    device_type: str | None = None  # "cpu" | "cuda" | "hpu": whose zero_defaults these are
+    zero_defaults: Mapping[int, Mapping[str, tuple[Any, str]]] = field(default_factory=dict)  # devices.DeviceSpec
 
 
 @dataclass(frozen=True)
@@ -140,7 +147,7 @@ def resolve_config(config: Mapping[str, Any], ctx: AutoContext, source: str = "d
     """
     r = _Resolution(config)
     for section in (_precision, _strategy_arguments, _batch_sizes, _gradient_clipping, _optimizer_and_scheduler,
-                    _buckets):
+                    _buckets, _device_defaults):
         section(r, ctx)
     if r.problems:
         raise ConfigError(report(f"DeepSpeed config ({source}) does not fit this Trainer", r.problems))
@@ -286,6 +293,39 @@ def _buckets(r: _Resolution, ctx: AutoContext) -> None:
             )
 
 
+def _device_defaults(r: _Resolution, ctx: AutoContext) -> None:
+    """Communication settings tuned per device, for the ZeRO stage in force, where the user set none."""
+    stage = r.get(f"{ZERO}.stage")
+    defaults = ctx.zero_defaults.get(stage, {}) if isinstance(stage, int) and not isinstance(stage, bool) else {}
+    for key in DEVICE_TUNED_KEYS:
+        current = r.get(key)
+        if current is not MISSING and current != AUTO or ZERO not in r.cfg:
+            continue
+        name = key.split(".", 1)[1]
+        no_scatter = r.get(f"{ZERO}.reduce_scatter") is False
+        if name == "use_multi_rank_bucket_allreduce" and current is MISSING and no_scatter:
+            continue  # without reduce_scatter every bucket is all-reduced: the switch has no effect
+        if name in defaults:
+            value, why = defaults[name]
+            r.fill(key, value, f"{ctx.device_type} default for ZeRO-{stage}: {why}")
+        elif current == AUTO:
+            del r.cfg[ZERO][name]
+            r.filled.append(f"{key} = DeepSpeed's default (no {ctx.device_type} default for ZeRO-{stage})")
+
+
+def drop_device_tuned(config: Mapping[str, Any], explicit_args: Mapping[str, Any]) -> dict[str, Any]:
+    """For Lightning's default config (no user config): the device-tuned keys Lightning filled from its argument
+    defaults are removed, unless passed explicitly, so that the device's defaults fill them."""
+    cfg = copy.deepcopy(dict(config))
+    zero = cfg.get(ZERO)
+    if isinstance(zero, dict):
+        for key in DEVICE_TUNED_KEYS:
+            name = key.split(".", 1)[1]
+            if name not in explicit_args:
+                zero.pop(name, None)
+    return cfg
+
+
 _HPARAM_HINT = {
     "lr": "save `lr` with self.save_hyperparameters()",
     "betas": "save `betas` (or `adam_beta1` and `adam_beta2`) with self.save_hyperparameters()",
@@ -367,8 +407,10 @@ class ConfigResolver:
         if self._base is None:
             self._base = copy.deepcopy(dict(current))
         base = self._base
-        if self.source is None and hidden:
-            base = mark_model_buckets(base, self.explicit_args)
+        if self.source is None:
+            base = drop_device_tuned(base, self.explicit_args)
+            if hidden:
+                base = mark_model_buckets(base, self.explicit_args)
         return copy.deepcopy(base)
 
     def resolve(self, config: Mapping[str, Any], ctx: AutoContext) -> dict[str, Any]:

@@ -141,6 +141,7 @@ class EngineProbe(L.Callback):
 
     def __init__(self) -> None:
         self.step_lrs: list[float] = []
+        self.zero3_trace: list[str] = []  # ZeRO-3: the parameter coordinator's trace mode after each batch
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if pl_module.probe:
@@ -169,6 +170,11 @@ class EngineProbe(L.Callback):
         if engine is None:
             return
         self.step_lrs.append(float(engine.optimizer.param_groups[0]["lr"]))
+        offload = getattr(engine.optimizer, "parameter_offload", None)
+        if offload is not None:
+            coordinator = offload.get_param_coordinator()
+            self.zero3_trace.append("complete" if coordinator.is_complete_trace() else
+                                    "invalid" if coordinator.is_invalid_trace() else "record")
         if "optimizer_state_numel_after_step" in pl_module.probe:
             return
         inner = getattr(engine.optimizer, "optimizer", engine.optimizer)

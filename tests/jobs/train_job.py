@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         "global_step": trainer.global_step,
         "step_losses": model.step_losses,
         "step_lrs": probe.step_lrs,
+        "zero3_trace": probe.zero3_trace,
         "probe": model.probe,
         "param_dtype": str(next(model.parameters()).dtype),
         "config": getattr(trainer.strategy, "config", None),
