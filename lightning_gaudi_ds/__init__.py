@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         CheckpointError,
         CheckpointNotFoundError,
         IncompleteCheckpointError,
+        NotACheckpointError,
         convert_zero_checkpoint_to_fp32_state_dict,
     )
     from lightning_gaudi_ds.config import ConfigError, ConfigNotFoundError
@@ -47,6 +48,7 @@ __all__ = [
     "HPUDeepSpeedStrategy",
     "HostfileError",
     "IncompleteCheckpointError",
+    "NotACheckpointError",
     "__version__",
     "convert_zero_checkpoint_to_fp32_state_dict",
     "plan_memory",
@@ -68,6 +70,7 @@ _EXPORTS = {
     "HPUDeepSpeedStrategy": "lightning_gaudi_ds.strategy",
     "HostfileError": "lightning_gaudi_ds.launch",
     "IncompleteCheckpointError": "lightning_gaudi_ds.checkpoint",
+    "NotACheckpointError": "lightning_gaudi_ds.checkpoint",
     "convert_zero_checkpoint_to_fp32_state_dict": "lightning_gaudi_ds.checkpoint",
     "plan_memory": "lightning_gaudi_ds.planning",
 }

@@ -69,9 +69,9 @@ def test_a_file_is_not_a_checkpoint(tmp_path):
 
 def test_a_file_inside_a_checkpoint_names_the_directory(tmp_path):
     path = fake_checkpoint(tmp_path)
-    with pytest.raises(ckpt.CheckpointError, match=f"Pass the directory {path}"):
+    with pytest.raises(ckpt.NotACheckpointError, match=f"Try to load using this parent directory instead: {path}$"):
         ckpt.validate_checkpoint(path / "checkpoint" / "mp_rank_00_model_states.pt")
-    with pytest.raises(ckpt.CheckpointError, match=f"is the tag folder .* Pass {path}"):
+    with pytest.raises(ckpt.NotACheckpointError, match=f"is the tag folder .* parent directory instead: {path}$"):
         ckpt.validate_checkpoint(path / "checkpoint")
 
 

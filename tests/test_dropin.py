@@ -104,11 +104,15 @@ def test_fp16_loss_scale_arguments_reach_the_config(monkeypatch: pytest.MonkeyPa
 
 def test_config_with_offload_turned_off_stays_off() -> None:
     config = {**LIGHTNING_STYLE_CONFIG, "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": 2, "offload_optimizer": False}}
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}
     strategy = HPUDeepSpeedStrategy(config=config)
     _trainer(accelerator="cpu", strategy=strategy)
     strategy._format_config()
-    assert strategy.config["zero_optimization"]["offload_optimizer"] is False
+    assert strategy.config["zero_optimization"]["offload_optimizer"] == {"device": "none"}
+    # Lightning's test writes `false`, which DeepSpeed 0.19's schema refuses (a section or null): said up front here
+    config["zero_optimization"]["offload_optimizer"] = False
+    with pytest.raises(MisconfigurationException, match=r"zero_optimization\.offload_optimizer: false is not valid"):
+        HPUDeepSpeedStrategy(config=config)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -161,11 +165,39 @@ def test_bad_arguments_and_configs_are_misconfigurations(make: Any, match: str) 
 
 
 def test_error_classes_are_lightnings_types_too() -> None:
-    from lightning_gaudi_ds import CheckpointError, CheckpointNotFoundError, ConfigNotFoundError
+    from lightning_gaudi_ds import (
+        CheckpointError,
+        CheckpointNotFoundError,
+        ConfigNotFoundError,
+        IncompleteCheckpointError,
+        NotACheckpointError,
+    )
 
     assert issubclass(ConfigError, MisconfigurationException) and issubclass(ConfigError, ValueError)
     assert issubclass(ConfigNotFoundError, FileNotFoundError) and issubclass(ConfigNotFoundError, ConfigError)
-    assert issubclass(CheckpointError, ValueError) and issubclass(CheckpointNotFoundError, FileNotFoundError)
+    assert issubclass(CheckpointError, MisconfigurationException) and issubclass(CheckpointError, ValueError)
+    for error in (CheckpointNotFoundError, NotACheckpointError, IncompleteCheckpointError):
+        assert issubclass(error, CheckpointError) and issubclass(error, FileNotFoundError)
+
+
+def test_checkpoint_path_validation_suggests_the_parent(tmp_path: Path) -> None:
+    strategy = HPUDeepSpeedStrategy()
+    with pytest.raises(FileNotFoundError, match="The provided path is not a valid DeepSpeed checkpoint") as err:
+        strategy.load_checkpoint(checkpoint_path=tmp_path)
+    assert isinstance(err.value, lightning_gaudi_ds.NotACheckpointError) and "(contents: empty)" in str(err.value)
+    tag = tmp_path / "checkpoint"  # the sub-folder Lightning saves into
+    tag.mkdir()
+    with pytest.raises(FileNotFoundError, match=f"Try to load using this parent directory instead: {tmp_path}"):
+        strategy.load_checkpoint(checkpoint_path=tag)
+    shard = tag / "zero_pp_rank_0_mp_rank_00_model_states.pt"  # a file inside that sub-folder
+    shard.touch()
+    with pytest.raises(FileNotFoundError, match=f"Try to load using this parent directory instead: {tmp_path}"):
+        strategy.load_checkpoint(checkpoint_path=shard)
+    single = tmp_path / "model.ckpt"  # a single-file Lightning checkpoint
+    torch.save({"state_dict": {}}, single)
+    with pytest.raises(FileNotFoundError, match=r"is a file, not a DeepSpeed ZeRO checkpoint directory.*"
+                                                r"load_full_weights=True"):
+        strategy.load_checkpoint(checkpoint_path=single)
 
 
 def test_gradient_clipping_by_value_is_a_misconfiguration() -> None:
@@ -334,7 +366,7 @@ def zero3_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ckpt = str(tmp / "zero3.ckpt")
     fit, fit_output = _run(tmp, "fit", "--scenario", "fit", "--ckpt", ckpt)
     same, _ = _run(tmp, "eval2", "--scenario", "eval", "--ckpt", ckpt)
-    other, _ = _run(tmp, "eval1", "--scenario", "eval", "--ckpt", ckpt, devices=1)
+    other, _ = _run(tmp, "eval1", "--scenario", "eval", "--ckpt", ckpt, "--single-file", devices=1)
     return {"fit": fit, "fit_output": fit_output, "same": same, "other": other}
 
 
@@ -347,6 +379,17 @@ def test_zero3_checkpoint_evaluates_on_a_fresh_trainer_as_at_the_end_of_fit(zero
     (one,) = zero3_runs["other"]  # 1 rank: the same model, batches summed in another order
     assert one["world_size"] == 1
     assert one["from_checkpoint"] == {k: pytest.approx(v, rel=1e-5) for k, v in end.items()}
+
+
+@pytest.mark.multiprocess
+def test_zero3_single_file_loads_with_full_weights_only(zero3_runs: dict[str, Any]) -> None:
+    end = zero3_runs["fit"][0]["end_of_fit"]
+    (one,) = zero3_runs["other"]
+    assert one["single_file"] == {k: pytest.approx(v, rel=1e-5) for k, v in end.items()}
+    refused = one["single_file_sharded_loader"]  # without load_full_weights: Lightning's type and words
+    assert "FileNotFoundError" in refused["types"] and "MisconfigurationException" in refused["types"]
+    assert refused["message"].startswith("The provided path is not a valid DeepSpeed checkpoint: ")
+    assert "load_full_weights=True" in refused["message"]
 
 
 @pytest.mark.multiprocess

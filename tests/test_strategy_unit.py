@@ -193,7 +193,8 @@ def test_init_annotations_resolve(cls: type) -> None:
 
 
 def test_error_types_exported() -> None:
-    for name in ("ConfigError", "CheckpointError", "CheckpointNotFoundError", "IncompleteCheckpointError",
+    for name in ("ConfigError", "ConfigNotFoundError", "CheckpointError", "CheckpointNotFoundError",
+                 "NotACheckpointError", "IncompleteCheckpointError",
                  "HostfileError", "BuildLockError"):
         err = getattr(lightning_gaudi_ds, name)
         assert issubclass(err, Exception) and name in lightning_gaudi_ds.__all__

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_gaudi_ds import _compat
 
@@ -36,16 +37,23 @@ _FORMAT = 1
 T = TypeVar("T")
 
 
-class CheckpointError(ValueError):
-    """The path is not a usable DeepSpeed ZeRO checkpoint; the message says why and what to do."""
+class CheckpointError(MisconfigurationException, ValueError):
+    """The path is not a usable DeepSpeed ZeRO checkpoint; the message says why and what to do. A
+    ``MisconfigurationException``, as Lightning raises when DeepSpeed cannot load a checkpoint, and a ``ValueError``."""
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """The checkpoint path does not exist."""
+    """The checkpoint path does not exist (Lightning: ``FileNotFoundError``)."""
 
 
-class IncompleteCheckpointError(CheckpointError):
-    """The checkpoint was not completely written (a save was interrupted); the message names what is missing."""
+class NotACheckpointError(CheckpointError, FileNotFoundError):
+    """The path is a file, a folder inside a checkpoint or any other folder (Lightning: ``FileNotFoundError``, "not a
+    valid DeepSpeed checkpoint")."""
+
+
+class IncompleteCheckpointError(CheckpointError, FileNotFoundError):
+    """The checkpoint was not completely written (a save was interrupted); the message names what is missing. A
+    ``FileNotFoundError`` too, as DeepSpeed's loader raises for a missing shard."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,20 @@ def _is_ds_checkpoint(path: Path) -> bool:
     return path.is_dir() and ((path / "latest").is_file() or (path / MANIFEST).is_file())
 
 
+def _enclosing_checkpoint(path: Path) -> Path | None:
+    """The checkpoint ``path`` (a file or folder) lies inside: its tag folder or a file in that folder. Lightning
+    saves under the tag ``checkpoint``, which identifies a checkpoint even without its ``latest`` file."""
+    tag_folder = path.parent if path.is_file() else path
+    candidates = [path.parent] + ([path.parent.parent] if path.is_file() else [])
+    for candidate in candidates:
+        if _is_ds_checkpoint(candidate) or (candidate == tag_folder.parent and tag_folder.name == "checkpoint"):
+            return candidate
+    return None
+
+
+_NOT_VALID = "The provided path is not a valid DeepSpeed checkpoint"  # Lightning's words, which callers may match
+
+
 def _interrupted_saves(path: Path) -> list[Path]:
     return [p for p in (path.with_name(path.name + PARTIAL), path.with_name(path.name + REPLACED)) if p.exists()]
 
@@ -118,7 +140,8 @@ def validate_checkpoint(
 
     Raises:
         CheckpointNotFoundError: the path does not exist.
-        CheckpointError: not a ZeRO checkpoint, or one of another ZeRO stage.
+        NotACheckpointError: a file, a folder inside a checkpoint, or a folder without one.
+        CheckpointError: a checkpoint of another ZeRO stage.
         IncompleteCheckpointError: shards, the manifest or the ``latest`` file are missing or truncated.
     """
     path = Path(checkpoint_dir)
@@ -134,28 +157,31 @@ def validate_checkpoint(
             )
         raise CheckpointNotFoundError(f"Checkpoint {path} does not exist.{hint}")
     if path.is_file():
-        for parent in (path.parent, path.parent.parent):
-            if _is_ds_checkpoint(parent):
-                raise CheckpointError(
-                    f"{path} is a file inside the DeepSpeed checkpoint {parent}. Pass the directory {parent}."
-                )
-        raise CheckpointError(
-            f"{path} is a file, not a DeepSpeed ZeRO checkpoint directory (a directory with a `latest` file and a"
-            " `<tag>/` folder of *_model_states.pt and *_optim_states.pt shards). A single-file Lightning checkpoint"
-            " loads with `HPUDeepSpeedStrategy(stage=3, load_full_weights=True)` or a non-DeepSpeed strategy."
+        parent = _enclosing_checkpoint(path)
+        if parent is not None:
+            raise NotACheckpointError(
+                f"{_NOT_VALID}: {path} is a file inside the DeepSpeed checkpoint {parent}. Try to load using this"
+                f" parent directory instead: {parent}"
+            )
+        raise NotACheckpointError(
+            f"{_NOT_VALID}: {path} is a file, not a DeepSpeed ZeRO checkpoint directory (a directory with a `latest`"
+            " file and a `<tag>/` folder of *_model_states.pt and *_optim_states.pt shards). A single-file Lightning"
+            " checkpoint loads with `HPUDeepSpeedStrategy(stage=3, load_full_weights=True)` or a non-DeepSpeed"
+            " strategy."
         )
     manifest = _read_manifest(path)
     incomplete = path.name.endswith(PARTIAL)
     if manifest is None and not (path / "latest").is_file():
-        if _is_ds_checkpoint(path.parent):
-            raise CheckpointError(
-                f"{path} is the tag folder inside the DeepSpeed checkpoint {path.parent}. Pass {path.parent}."
+        if _enclosing_checkpoint(path) is not None:
+            raise NotACheckpointError(
+                f"{_NOT_VALID}: {path} is the tag folder inside the DeepSpeed checkpoint {path.parent}. Try to load"
+                f" using this parent directory instead: {path.parent}"
             )
         if incomplete or any(path.glob("*/*model_states.pt")):
             raise _incomplete(path, ["latest", MANIFEST, *_missing_shards(path, tag)])
         listing = sorted(p.name for p in path.iterdir())[:10]
-        raise CheckpointError(
-            f"{path} is not a DeepSpeed ZeRO checkpoint: it has no `latest` file and no {MANIFEST}"
+        raise NotACheckpointError(
+            f"{_NOT_VALID}: {path} is not a DeepSpeed ZeRO checkpoint: it has no `latest` file and no {MANIFEST}"
             f" (contents: {listing or 'empty'}). Pass the directory that ModelCheckpoint or"
             " `trainer.save_checkpoint` wrote with a DeepSpeed strategy."
         )
@@ -182,6 +208,8 @@ def validate_checkpoint(
     else:
         try:
             stage, world_size, mp_world_size = _read_model_states_meta(tag_dir)
+        except IncompleteCheckpointError:  # an unreadable model-states file: its own message
+            raise
         except FileNotFoundError:
             raise IncompleteCheckpointError(
                 f"Checkpoint {path} is incomplete: no *_model_states.pt file in {tag_dir}."

@@ -5,7 +5,8 @@
 * ``fit``: ZeRO-3 fit, then ``trainer.save_checkpoint(<out>/zero3.ckpt)`` and validate/test/predict on the same
   Trainer (the metrics at the end of fit); records what ``model.state_dict()`` holds after fit.
 * ``eval``: a new model and a new Trainer evaluate ``--ckpt`` (validate, test, predict with ``ckpt_path``), on
-  any number of ranks.
+  any number of ranks; with ``--single-file``, also the checkpoint converted to one fp32 file, loaded with
+  ``load_full_weights=True`` and, refused, without it.
 * ``features``: in the same processes, fits without and with ``logging_batch_size_per_gpu`` (DeepSpeed's
   bookkeeping batch differs from the loader's), and a model whose blocks go through DeepSpeed's activation
   checkpointing without and with partitioned, contiguous, CPU-held checkpoints (validation included, which runs
@@ -23,7 +24,7 @@ import torch
 from common import INPUTS, OUTPUTS, RegressionData, RegressionModel, job_parser, start_process, write_result
 from torch import nn
 
-from lightning_gaudi_ds import HPUDeepSpeedStrategy
+from lightning_gaudi_ds import HPUDeepSpeedStrategy, convert_zero_checkpoint_to_fp32_state_dict
 
 EVAL_BATCH = 16  # the same global evaluation batches on 1 and 2 ranks: 256 samples split evenly
 
@@ -65,7 +66,20 @@ def evaluate_checkpoint(args: Any) -> dict[str, Any]:
     model = RegressionModel(optimizer="adamw")
     data = RegressionData(batch_size=16, eval_batch_size=EVAL_BATCH // args.devices)
     trainer = _trainer(args.devices, HPUDeepSpeedStrategy(stage=3), args.precision)
-    return {"from_checkpoint": _evaluate(trainer, model, data, ckpt_path=args.ckpt), "world_size": trainer.world_size}
+    out = {"from_checkpoint": _evaluate(trainer, model, data, ckpt_path=args.ckpt), "world_size": trainer.world_size}
+    if args.single_file:  # the checkpoint as one fp32 file: loads with load_full_weights=True, and only so
+        single = f"{args.out}/single.ckpt"
+        if trainer.is_global_zero:
+            convert_zero_checkpoint_to_fp32_state_dict(args.ckpt, single)
+        trainer.strategy.barrier()
+        trainer = _trainer(args.devices, HPUDeepSpeedStrategy(stage=3, load_full_weights=True), args.precision)
+        out["single_file"] = _evaluate(trainer, RegressionModel(optimizer="adamw"), data, ckpt_path=single)
+        trainer = _trainer(args.devices, HPUDeepSpeedStrategy(stage=3), args.precision)
+        try:
+            trainer.test(RegressionModel(optimizer="adamw"), datamodule=data, ckpt_path=single, verbose=False)
+        except Exception as err:  # noqa: BLE001  (recorded for the test to check its type and message)
+            out["single_file_sharded_loader"] = {"types": [c.__name__ for c in type(err).__mro__], "message": str(err)}
+    return out
 
 
 class CheckpointedModel(RegressionModel):
@@ -176,6 +190,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--scenario", choices=("fit", "eval", "features"), required=True)
     parser.add_argument("--ckpt", default=None, help="the ZeRO-3 checkpoint: written by `fit`, read by `eval`")
     parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--single-file", action="store_true", help="eval: also as one fp32 file (1 rank)")
     args = parser.parse_args(argv)
     start_process()
     run = {"fit": fit_then_evaluate, "eval": evaluate_checkpoint, "features": features}[args.scenario]
