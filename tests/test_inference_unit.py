@@ -317,3 +317,25 @@ def test_enable_cuda_graph_means_hpu_graphs_on_gaudi(gaudi, monkeypatch):  # noq
     assert config["enable_cuda_graph"] is False and config["dtype"] == torch.bfloat16
     assert config["tensor_parallel"] == {"tp_size": 2}
     assert strategy.model.module == ("graph", gpt)
+
+
+def test_benchmark_summary_ratios_against_tp1():
+    sys.path.insert(0, str(REPO))
+    from benchmarks import tp_inference as bench
+
+    def run(arm, procs, bytes_, ms, tps, tokens):
+        rank = {"param_bytes": bytes_, "decode_ms_per_token": ms, "tokens_per_s": tps, "prefill_s": 0.1,
+                "shm_op": arm == "tp2_shm", "tokens": tokens}
+        return {"arm": arm, "processes": procs, "ranks": [rank] * procs}
+
+    runs = [run("tp1", 1, 1000, 10.0, 50.0, [1, 2]), run("tp2_shm", 2, 520, 8.0, 60.0, [1, 2]),
+            run("tp2_gloo", 2, 520, 20.0, 25.0, [1, 3])]
+    rows = {r["arm"]: r for r in bench.summarize(runs)}
+    assert rows["tp2_shm"]["bytes_ratio"] == pytest.approx(0.52)
+    assert rows["tp2_shm"]["latency_ratio"] == pytest.approx(0.8)
+    assert rows["tp2_gloo"]["tokens_per_s_ratio"] == pytest.approx(0.5)
+    assert rows["tp2_shm"]["same_tokens_as_tp1"] and not rows["tp2_gloo"]["same_tokens_as_tp1"]
+    assert "| tp2_gloo | 2 |" in bench.markdown(list(rows.values()), {
+        "model": {"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 16,
+                  "vocab_size": 32}, "parameters": 1e6, "new_tokens": 2, "prompt_tokens": 2, "reps": 1, "rounds": 1,
+        "machine": "x", "torch": "t", "deepspeed": "d", "transformers": "h", "loadavg": "0"})
