@@ -372,15 +372,19 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         self._validate_device_indices()
         reset_seed()
         self.set_world_ranks()
-        # Tensor-parallel layers all-reduce through deepspeed.comm.inference_all_reduce, which DeepSpeed's CPU shm op
-        # speeds up: load it then (unless LIGHTNING_GAUDI_DS_SHM_COMM says otherwise); training keeps it off.
-        shm_default = {SHM_MODE_ENV: "on"} if self._tensor_parallel and SHM_MODE_ENV not in os.environ else {}
-        os.environ.update(shm_default)
+        # Tensor parallelism decides whether DeepSpeed's CPU shm all-reduce is loaded (training leaves it off).
+        mode = inference.shm_comm_mode(self._inference, self.world_size, os.environ.get(SHM_MODE_ENV))
+        before = os.environ.get(SHM_MODE_ENV)
+        if mode is not None:
+            os.environ[SHM_MODE_ENV] = mode
         try:
             prepare_startup(self.device_spec.deepspeed_accelerator, offloads_optimizer(self.config), self.world_size)
         finally:
-            for key in shm_default:
-                os.environ.pop(key, None)
+            if mode is not None:
+                if before is None:
+                    del os.environ[SHM_MODE_ENV]
+                else:
+                    os.environ[SHM_MODE_ENV] = before
         self._init_deepspeed_distributed()
 
     @override
@@ -489,7 +493,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         if self._inference is not None:
             assert self._inference_dtype is not None
             device = self.device_spec.device_type
-            self.model = inference.init_engine(model, self._inference, self._inference_dtype, device)
+            self.model = inference.init_engine(model, self._inference, self._inference_dtype, device, self.world_size)
             return
         # A copy of Lightning 2.6.6's DeepSpeedStrategy._initialize_deepspeed_inference with two changes: the
         # device rank comes from _deepspeed_args (CPU and HPU devices have no index), and a ZeRO-3 config without

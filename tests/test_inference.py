@@ -14,10 +14,10 @@ from tests.procs import JOBS, run_job
 pytestmark = pytest.mark.multiprocess
 
 
-def _run(tmp_path, *args: str, timeout: float = 420) -> list[dict]:
+def _run(tmp_path, *args: str, timeout: float = 420, ranks: int = 2) -> list[dict]:
     run_job([sys.executable, str(JOBS / "tp_job.py"), "--out", str(tmp_path), *args], timeout).check()
     results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
-    assert [r["rank"] for r in results] == [0, 1], results
+    assert [r["rank"] for r in results] == list(range(ranks)), results
     return results
 
 
@@ -28,7 +28,7 @@ def _check_split_and_equal(results: list[dict]) -> None:
         assert abs(r["val_loss"] - r["ref_val_loss"]) < 1e-4, r
         assert r["local_params"] < 0.8 * r["total_params"], r  # the large matrices are split
     # use_distributed_sampler=True (the default): both ranks of the group read every sample, in the same order
-    assert results[0]["seen"] == results[1]["seen"] and sum(len(b) for b in results[0]["seen"]) == 8
+    assert results[0]["seen"] == results[1]["seen"] == list(range(8))
 
 
 def test_hugging_face_llama_autotp(tmp_path):
@@ -81,3 +81,14 @@ def test_generate_example_same_text_on_two_ranks_as_on_one(tmp_path):
         texts[tp] = out.output.split(header, 1)[1].split("\n", 1)[1].split("\n" + "-" * 78)[0]
         assert "48 tokens in" in out.output and "tokens/s" in out.output
     assert texts[2] == texts[1] and texts[1].startswith("Elizabeth") and len(texts[1]) > len("Elizabeth")
+
+
+def test_two_tensor_parallel_groups_of_two_on_four_ranks(tmp_path):
+    """tp_size 2 on 4 processes: two groups of consecutive ranks, each a data-parallel replica reading half the
+    samples; within a group both ranks read the same ones."""
+    results = _run(tmp_path, "--model", "gpt", "--devices", "4", "--tp", "2", ranks=4)
+    for r in results:
+        assert r["max_abs_diff"] < 1e-4 and abs(r["val_loss"] - r["ref_val_loss"]) < 1e-4, r
+        assert r["local_params"] < 0.8 * r["total_params"] and not r["shm_op"], r
+    seen = [r["seen"] for r in results]
+    assert seen[0] == seen[1] and seen[2] == seen[3] and sorted(seen[0] + seen[2]) == list(range(8)), seen

@@ -118,8 +118,7 @@ def test_dtype_that_contradicts_the_precision():
     ("tp", "world", "match"),
     [
         (4, 2, r"needs 4 processes; the Trainer starts 2"),
-        (3, 4, r"3 does not divide 4"),
-        (2, 4, r"2 divides 4\).*single tensor-parallel group"),
+        (3, 4, r"does not divide the 4 processes"),
     ],
 )
 def test_tp_size_against_the_world_size(tp, world, match):
@@ -127,8 +126,9 @@ def test_tp_size_against_the_world_size(tp, world, match):
         inf.check_world(inf.InferenceSettings(tp_size=tp), world, "cpu")
 
 
-def test_tp_size_equal_to_world_and_one_are_accepted():
+def test_tp_size_dividing_the_world_is_accepted():
     inf.check_world(inf.InferenceSettings(tp_size=2), 2, "cpu")
+    inf.check_world(inf.InferenceSettings(tp_size=2), 4, "cpu")  # two groups of two: data-parallel replicas
     inf.check_world(inf.InferenceSettings(tp_size=1), 4, "cpu")
 
 
@@ -202,6 +202,7 @@ def test_hugging_face_llama_passes_autotp_checks():
 def test_sampler_gives_every_rank_of_a_group_the_same_samples():
     assert [inf.sampler_kwargs(2, r, 2) for r in range(2)] == [{"num_replicas": 1, "rank": 0}] * 2
     assert [inf.sampler_kwargs(2, r, 1)["rank"] for r in range(2)] == [0, 1]
+    assert [inf.sampler_kwargs(4, r, 2) for r in range(4)] == [{"num_replicas": 2, "rank": r // 2} for r in range(4)]
 
 
 def test_parameter_numel_counts_tied_weights_once():
@@ -310,6 +311,7 @@ def test_enable_cuda_graph_means_hpu_graphs_on_gaudi(gaudi, monkeypatch):  # noq
     monkeypatch.setattr(deepspeed, "init_inference", lambda model, config: Engine(model, config))
     lm, gpt = _gpt()
     strategy._inference = dataclasses.replace(strategy._inference, injection_policy={lm.Block: ("attn.proj", "mlp.2")})
+    monkeypatch.setattr(type(strategy), "world_size", property(lambda self: 2))
     strategy._initialize_deepspeed_inference(gpt)
     (name, config), (wrapped, module) = gaudi.calls[-2:]
     assert (name, wrapped) == ("init_inference", "wrap_in_hpu_graph") and module is gpt
@@ -339,3 +341,13 @@ def test_benchmark_summary_ratios_against_tp1():
         "model": {"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 16,
                   "vocab_size": 32}, "parameters": 1e6, "new_tokens": 2, "prompt_tokens": 2, "reps": 1, "rounds": 1,
         "machine": "x", "torch": "t", "deepspeed": "d", "transformers": "h", "loadavg": "0"})
+
+
+def test_shm_op_is_loaded_for_one_tensor_parallel_group_only():
+    two = inf.InferenceSettings(tp_size=2)
+    assert inf.shm_comm_mode(two, 2, None) == "on"
+    assert inf.shm_comm_mode(two, 2, "off") is None  # the user's choice stands
+    assert inf.shm_comm_mode(None, 2, None) is None and inf.shm_comm_mode(inf.InferenceSettings(), 2, None) is None
+    assert inf.shm_comm_mode(two, 4, None) == "off"  # its kernel would sum over all four ranks
+    with pytest.warns(UserWarning, match="ignores the tensor-parallel group"):
+        assert inf.shm_comm_mode(two, 4, "on") == "off"

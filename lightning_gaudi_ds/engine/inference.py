@@ -278,12 +278,11 @@ def check_world(settings: InferenceSettings, world_size: int, device_type: str) 
             f"HPUDeepSpeedStrategy(tensor_parallel={{'tp_size': {tp}}}) needs {tp} processes; the Trainer starts"
             f" {world_size} (devices x num_nodes). Set Trainer(devices={tp}) or a smaller tp_size."
         )
-    if tp > 1 and tp != world_size:
-        divides = "divides" if world_size % tp == 0 else "does not divide"
+    if world_size % tp:
         raise MisconfigurationException(
-            f"HPUDeepSpeedStrategy(tensor_parallel={{'tp_size': {tp}}}) with {world_size} processes ({tp} {divides}"
-            f" {world_size}): DeepSpeed's inference engine builds a single tensor-parallel group, so tp_size must"
-            f" equal the number of processes. Set Trainer(devices={tp}) (x num_nodes) or tp_size={world_size}."
+            f"HPUDeepSpeedStrategy(tensor_parallel={{'tp_size': {tp}}}) does not divide the {world_size} processes"
+            f" the Trainer starts into tensor-parallel groups. Use a tp_size that divides {world_size}, or"
+            f" Trainer(devices=...) x num_nodes a multiple of {tp}."
         )
     if settings.enable_cuda_graph and device_type == "cpu":
         raise MisconfigurationException(
@@ -362,6 +361,24 @@ def _unwrap(model: Module) -> Module:
     return inner if isinstance(inner, Module) else model
 
 
+def _split_inner_lm_heads(model: Module, group: Any, settings: InferenceSettings) -> None:
+    """Split the output projection (``lm_head``) of models nested in ``model`` by input columns, as DeepSpeed does
+    for the top-level module only: a Hugging Face model inside a LightningModule would otherwise keep its whole
+    vocabulary matrix on every rank. A head tied to an input embedding stays whole (splitting it would untie it
+    and hold the embedding plus half a copy)."""
+    from deepspeed.module_inject.layers import LmHeadLinearAllreduce
+    from deepspeed.module_inject.tp_shard import AutoTPMeta
+
+    embeddings = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    for module in model.modules():
+        head = getattr(module, "lm_head", None)
+        if module is model or type(head) is not torch.nn.Linear or head.weight.data_ptr() in embeddings:
+            continue
+        grain = settings.tp_options.get("tp_grain_size", 64)  # DeepSpeedTPConfig's default
+        meta = AutoTPMeta.from_model_config(getattr(module, "config", None), grain)
+        module.lm_head = LmHeadLinearAllreduce(head, group, tp_meta=meta)
+
+
 def _transformers_config(model: Module) -> Any:
     try:
         from transformers import PreTrainedModel
@@ -379,7 +396,9 @@ def _contains_transformers_model(model: Module) -> bool:
 
 
 # --------------------------------------------------------------------------------------------- engine
-def init_engine(model: Module, settings: InferenceSettings, dtype: torch.dtype, device_type: str) -> Any:
+def init_engine(
+    model: Module, settings: InferenceSettings, dtype: torch.dtype, device_type: str, world_size: int
+) -> Any:
     """``deepspeed.init_inference`` on ``model`` (after :func:`check_splittable`); returns the engine.
 
     On Gaudi ``enable_cuda_graph`` means HPU graphs, as in lightning-habana: DeepSpeed's CUDA graph code is left
@@ -391,8 +410,13 @@ def init_engine(model: Module, settings: InferenceSettings, dtype: torch.dtype, 
     # A module split by an earlier run in this process keeps its tensor-parallel layers (and their group): wrap it
     # without splitting again, which DeepSpeed's parser would refuse (it finds no nn.Linear left to split).
     tp_size = 1 if is_split(model) else settings.tp_size
+    tp_config: dict[str, Any] = {**settings.tp_options, "tp_size": tp_size}
+    if 1 < tp_size < world_size:
+        # DeepSpeed alone builds one group, of ranks 0..tp_size-1: give it this rank's group of consecutive ranks.
+        group = _TensorParallelGroups.get(tp_size)
+        tp_config.update(mpu=group, tp_group=group.get_model_parallel_group())
     config: dict[str, Any] = {
-        "tensor_parallel": {**settings.tp_options, "tp_size": tp_size},
+        "tensor_parallel": tp_config,
         "dtype": dtype,
         "replace_with_kernel_inject": settings.replace_with_kernel_inject,
         "enable_cuda_graph": settings.enable_cuda_graph and device_type == "cuda",
@@ -410,11 +434,45 @@ def init_engine(model: Module, settings: InferenceSettings, dtype: torch.dtype, 
     finally:
         if lent is not None:
             del model.config
+    if tp_size > 1 and not settings.replace_with_kernel_inject:
+        _split_inner_lm_heads(engine.module, engine.mp_group, settings)
     if settings.enable_cuda_graph and device_type == "hpu":
         from lightning_gaudi_ds import hpu
 
         engine.module = hpu.wrap_in_hpu_graph(engine.module)
     return engine
+
+
+class _TensorParallelGroups:
+    """This rank's tensor-parallel group among consecutive blocks of ``tp_size`` ranks (DeepSpeed's ``mpu``
+    protocol); the data-parallel replicas are the blocks. Built once per process and size: ``new_group`` is a
+    collective every rank calls for every group."""
+
+    _made: dict[int, _TensorParallelGroups] = {}
+
+    def __init__(self, tp_size: int) -> None:
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        groups = [dist.new_group(list(range(start, start + tp_size))) for start in range(0, world, tp_size)]
+        self._group, self._size = groups[rank // tp_size], tp_size
+
+    @classmethod
+    def get(cls, tp_size: int) -> _TensorParallelGroups:
+        if tp_size not in cls._made:
+            cls._made[tp_size] = cls(tp_size)
+        return cls._made[tp_size]
+
+    def get_model_parallel_group(self) -> Any:
+        return self._group
+
+    def get_model_parallel_rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank(self._group)
+
+    def get_model_parallel_world_size(self) -> int:
+        return self._size
 
 
 def is_split(module: Module) -> bool:
@@ -433,6 +491,26 @@ def load_weights(module: Module, checkpoint: Mapping[str, Any], strict: bool = T
             " of the module together with ckpt_path, or leave ckpt_path out to keep the weights it has."
         )
     module.load_state_dict(checkpoint["state_dict"], strict=strict)
+
+
+def shm_comm_mode(settings: InferenceSettings | None, world_size: int, current: str | None) -> str | None:
+    """The ``LIGHTNING_GAUDI_DS_SHM_COMM`` mode a run needs, or ``None`` to leave ``current`` (the user's) as it is.
+
+    Split layers sum through ``deepspeed.comm.inference_all_reduce``, which DeepSpeed's CPU shm op speeds up:
+    with one tensor-parallel group it is loaded unless the user chose ``off``. Its kernel reduces over every rank
+    whatever the group (shm.cpp), so with several groups it must stay off.
+    """
+    if settings is None or not settings.tensor_parallel:
+        return None
+    if settings.tp_size == world_size:
+        return None if current is not None else "on"
+    if current not in (None, "off"):
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(f"LIGHTNING_GAUDI_DS_SHM_COMM={current} ignored: DeepSpeed's shm all-reduce ignores the"
+                       f" tensor-parallel group, and {world_size // settings.tp_size} groups share this run;"
+                       " torch.distributed all-reduces instead.")
+    return "off"
 
 
 def sampler_kwargs(world_size: int, global_rank: int, tp_size: int) -> dict[str, int]:
