@@ -303,7 +303,7 @@ def test_enable_cuda_graph_means_hpu_graphs_on_gaudi(gaudi, monkeypatch):  # noq
     class Engine:
         def __init__(self, model, config):
             gaudi.record("init_inference", config)
-            self.module = model
+            self.module, self.mp_group = model, None
 
     graphs = sys.modules["habana_frameworks.torch.hpu"]
     monkeypatch.setattr(graphs, "wrap_in_hpu_graph", lambda m: gaudi.record("wrap_in_hpu_graph", m) or ("graph", m),
