@@ -41,6 +41,9 @@ __all__ = [
     "_validate_device_index_selection",
     "attached_trainer",
     "created_deepspeed_accelerator",
+    "autotp_parse",
+    "lm_head_allreduce",
+    "tensor_parallel_layer_class",
     "deepspeed_accelerator_name",
     "deepspeed_op_enabled",
     "deepspeed_removed_config_keys",
@@ -357,6 +360,33 @@ def is_unimplemented_builder(builder: Any) -> bool:
 
 # shm.cpp SHM_BUFFER_NAME; a rank's segment is "<prefix>_<uid>_<addr>_<port>_<rank>"
 SHM_SEGMENT_PREFIX = "deepspeed_allreduce_buffer"
+
+
+# ================================================================ tensor-parallel inference (engine.inference)
+# DeepSpeed's AutoTP internals (deepspeed.module_inject): its model parser, the base class of its split layers,
+# and the row-parallel output projection with the per-model shard metadata. Imported when called: importing
+# DeepSpeed picks its global accelerator.
+def autotp_parse(model: Any) -> Any:
+    """AutoTP's policy for ``model``; raises ``AssertionError`` with DeepSpeed's reason when it finds none."""
+    from deepspeed.module_inject.auto_tp import AutoTP
+
+    return AutoTP.tp_parser(model)
+
+
+def tensor_parallel_layer_class() -> type:
+    """The base class of every layer DeepSpeed's tensor parallelism puts in place of a split one."""
+    from deepspeed.module_inject.layers import TensorParallel_Layer
+
+    return TensorParallel_Layer
+
+
+def lm_head_allreduce(head: Any, group: Any, model_config: Any, grain: int) -> Any:
+    """``head`` (an ``nn.Linear``) split by input columns over ``group``, its outputs summed, as AutoTP splits a
+    top-level ``lm_head``."""
+    from deepspeed.module_inject.layers import LmHeadLinearAllreduce
+    from deepspeed.module_inject.tp_shard import AutoTPMeta
+
+    return LmHeadLinearAllreduce(head, group, tp_meta=AutoTPMeta.from_model_config(model_config, grain))
 
 
 # ===================================================================== memory planner (lightning_gaudi_ds.planning)

@@ -391,6 +391,41 @@ def test_shm_segment_name_is_deepspeeds() -> None:
         " _compat.SHM_SEGMENT_PREFIX and jit_ops.startup.shm_segment_name")
 
 
+# ================================================================ tensor-parallel inference (tp-inference)
+def test_autotp_parser_refuses_a_model_it_cannot_split() -> None:
+    import torch
+
+    from lightning_gaudi_ds._compat import autotp_parse
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    class NoModelName(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Block()])
+
+    _attr("deepspeed.module_inject.auto_tp", "AutoTP", DEEPSPEED, "engine.inference.check_splittable")
+    with pytest.raises(AssertionError, match="policy"):
+        autotp_parse(NoModelName())
+
+
+def test_tensor_parallel_layers_and_row_parallel_lm_head() -> None:
+    import torch
+
+    from lightning_gaudi_ds._compat import lm_head_allreduce, tensor_parallel_layer_class
+
+    base = tensor_parallel_layer_class()
+    for name in ("LinearLayer", "LinearAllreduce", "LmHeadLinearAllreduce"):
+        cls = _attr("deepspeed.module_inject.layers", name, DEEPSPEED, "engine.inference.is_split / lm_head split")
+        assert issubclass(cls, base), f"{DEEPSPEED}: {name} no longer derives from TensorParallel_Layer"
+    _attr("deepspeed.module_inject.tp_shard", "AutoTPMeta", DEEPSPEED, "engine.inference (lm_head shard sizes)")
+    head = lm_head_allreduce(torch.nn.Linear(8, 16, bias=False), None, None, 4)  # no group: one rank keeps it all
+    assert isinstance(head, base) and tuple(head.weight.shape) == (16, 8)
+
+
 # ================================================================ memory planner (planner)
 def test_torch_dispatch_mode() -> None:
     mode = _attr("torch.utils._python_dispatch", "TorchDispatchMode", TORCH,

@@ -23,6 +23,8 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.nn import Module
 
+from lightning_gaudi_ds._compat import autotp_parse, lm_head_allreduce, tensor_parallel_layer_class
+
 log = logging.getLogger(__name__)
 
 #: Keyword arguments of ``HPUDeepSpeedStrategy`` (and keys of its config dict) that select DeepSpeed's inference
@@ -313,10 +315,8 @@ def check_splittable(model: Module, settings: InferenceSettings) -> None:
     if not hf:
         reason = "it recognises Hugging Face transformers models only, and this model contains none"
     else:
-        from deepspeed.module_inject.auto_tp import AutoTP
-
         try:
-            AutoTP.tp_parser(model)
+            autotp_parse(model)
         except AssertionError as err:
             reason = str(err)
     if reason:
@@ -366,17 +366,13 @@ def _split_inner_lm_heads(model: Module, group: Any, settings: InferenceSettings
     for the top-level module only: a Hugging Face model inside a LightningModule would otherwise keep its whole
     vocabulary matrix on every rank. A head tied to an input embedding stays whole (splitting it would untie it
     and hold the embedding plus half a copy)."""
-    from deepspeed.module_inject.layers import LmHeadLinearAllreduce
-    from deepspeed.module_inject.tp_shard import AutoTPMeta
-
     embeddings = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     for module in model.modules():
         head = getattr(module, "lm_head", None)
         if module is model or type(head) is not torch.nn.Linear or head.weight.data_ptr() in embeddings:
             continue
         grain = settings.tp_options.get("tp_grain_size", 64)  # DeepSpeedTPConfig's default
-        meta = AutoTPMeta.from_model_config(getattr(module, "config", None), grain)
-        module.lm_head = LmHeadLinearAllreduce(head, group, tp_meta=meta)
+        module.lm_head = lm_head_allreduce(head, group, getattr(module, "config", None), grain)
 
 
 def _transformers_config(model: Module) -> Any:
@@ -477,9 +473,8 @@ class _TensorParallelGroups:
 
 def is_split(module: Module) -> bool:
     """Whether DeepSpeed's tensor-parallel layers already replaced some of ``module``'s layers."""
-    from deepspeed.module_inject.layers import TensorParallel_Layer
-
-    return any(isinstance(m, TensorParallel_Layer) for m in module.modules())
+    layer = tensor_parallel_layer_class()
+    return any(isinstance(m, layer) for m in module.modules())
 
 
 def load_weights(module: Module, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
