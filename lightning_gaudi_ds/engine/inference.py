@@ -3,7 +3,8 @@
 ``trainer.predict`` / ``validate`` / ``test`` with ``HPUDeepSpeedStrategy(tensor_parallel={"tp_size": N})``: the
 module's large matrices are split across N ranks (DeepSpeed's AutoTP for model families it knows, such as Hugging
 Face Llama; an ``injection_policy`` for the user's own modules). Every rank of a tensor-parallel group computes the
-same outputs, so every rank must see the same batches.
+same outputs, so the ranks of a group must see the same batches; with tp_size below the world size the groups
+(consecutive ranks) are data-parallel replicas.
 
 Everything here works on plain values (settings, a module, a world size, a precision string); the strategy gathers
 them and calls in. Errors are Lightning's ``MisconfigurationException`` and name the argument to change.
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,8 +24,6 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.nn import Module
 
 from lightning_gaudi_ds._compat import autotp_parse, lm_head_allreduce, tensor_parallel_layer_class
-
-log = logging.getLogger(__name__)
 
 #: Keyword arguments of ``HPUDeepSpeedStrategy`` (and keys of its config dict) that select DeepSpeed's inference
 #: engine, as lightning-habana named them.

@@ -117,7 +117,8 @@ def _train_zero3(root: Path) -> Path:
         limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=root,
     )
-    trainer.fit(model, train_dataloaders=DataLoader(_data(), batch_size=4))
+    inputs, targets, _ = _data().tensors
+    trainer.fit(model, train_dataloaders=DataLoader(TensorDataset(inputs, targets), batch_size=4))
     ckpt = root / "zero3.ckpt"
     trainer.save_checkpoint(ckpt)
     return ckpt
