@@ -308,13 +308,20 @@ def extensions_root() -> Path:
     creating the build directory of a named extension.
     """
     import os
-    import sys
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root:
         return Path(root)
-    import torch
     from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root()) / extensions_tag()
+
+
+def extensions_tag() -> str:
+    """Torch's name for its per-Python, per-build extension cache: ``py<ver>_<cpu|cuXY|rocmXY>``."""
+    import sys
+
+    import torch
 
     if torch.version.hip is not None:
         acc = f"rocm{torch.version.hip.replace('.', '')}"
@@ -322,8 +329,7 @@ def extensions_root() -> Path:
         acc = f"cu{torch.version.cuda.replace('.', '')}"
     else:
         acc = "cpu"
-    py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return Path(get_default_build_root()) / f"{py}_{acc}"
+    return f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{acc}"
 
 
 BUILD_LOCK_NAME = "lock"  # torch's _jit_compile: FileBaton(os.path.join(build_directory, 'lock'))

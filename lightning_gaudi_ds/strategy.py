@@ -13,11 +13,12 @@ also adds about a second to ``import lightning_gaudi_ds``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -401,7 +402,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         self._timeout = min(full, timedelta(seconds=limit))
         start = time.monotonic()
         try:
-            with announce_wait(what, limit, enabled=self.local_rank == 0 and self.world_size > 1):
+            # Announced across nodes only: on one node the other ranks are starting (imports take seconds).
+            with announce_wait(what, limit, enabled=self.local_rank == 0 and self.num_nodes > 1):
                 super()._init_deepspeed_distributed()
         except (RuntimeError, TimeoutError) as err:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
             if time.monotonic() - start < 0.9 * self._timeout.total_seconds():
@@ -457,7 +459,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             self._mark_step = hpu.mark_step_fn(self.hpu_mode)
             if self.lightning_module is not None:  # the engine expects the model on the card
                 move_keeping_tied_parameters(self.lightning_module, self.root_device)
-        super().setup(trainer)
+        with _third_party_deprecations_silenced():
+            super().setup(trainer)
 
     # ------------------------------------------------------------------------------------- engine
     def _deepspeed_args(self) -> argparse.Namespace:
@@ -584,13 +587,20 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     # ------------------------------------------------------------------- HPU lazy-mode graph breaks
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        with _third_party_deprecations_silenced():
+            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         self._graph_break()
         return loss
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with _third_party_deprecations_silenced():
+            return super().training_step(*args, **kwargs)
+
+    @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        with _third_party_deprecations_silenced():
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._graph_break()
         return output
 
@@ -608,7 +618,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     def _evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self._graph_break()
-        output = step(*args, **kwargs)
+        with _third_party_deprecations_silenced():
+            output = step(*args, **kwargs)
         self._graph_break()
         if self._contiguous_checkpointing:
             # Contiguous checkpoint buffers are emptied by the backward pass; a forward without one (evaluation)
@@ -781,9 +792,9 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank calls it
         if self.is_global_zero:
             path = write_resolved(resolved, log_dir)
+            # One line per fact; the whole config stays in the file (it can be megabytes).
             filled = "".join(f"\n  {line}" for line in resolved.filled) or " nothing"
-            text = path.read_text().rstrip()
-            rank_zero_info(f"DeepSpeed config resolved (written to {path}); filled:{filled}\n{text}")
+            rank_zero_info(f"DeepSpeed config resolved (written to {path}); filled:{filled}")
             for hint in hints:
                 rank_zero_info(hint)
 
@@ -884,6 +895,15 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         for name, description, kwargs in _REGISTERED:
             strategy_registry.register(name, cls, description=description, override=True, **kwargs)
+
+
+@contextlib.contextmanager
+def _third_party_deprecations_silenced() -> Iterator[None]:
+    """Inside the strategy's own calls only: DeepSpeed's ZeRO collectives call torch's deprecated
+    ``all_gather_into_tensor`` (a FutureWarning per rank on every run), which the user can do nothing about."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning)
+        yield
 
 
 def _is_partition(param: Tensor) -> bool:

@@ -332,3 +332,33 @@ def test_a_truncated_optimizer_shard_without_manifest_is_named(tmp_path: Path) -
     with pytest.raises(IncompleteCheckpointError,
                        match=r"missing: checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt \(truncated\)"):
         validate_checkpoint(path)
+
+
+def test_every_file_the_example_configs_mention_exists() -> None:
+    import re
+
+    repo = Path(__file__).resolve().parents[1]
+    mentioned = {m for cfg in (repo / "examples" / "configs").glob("*.yaml")
+                 for m in re.findall(r"(?:examples|scripts|benchmarks)/[\w/.-]+\.(?:json|yaml|py|sh)", cfg.read_text())}
+    assert mentioned and sorted(m for m in mentioned if not (repo / m).is_file()) == []
+
+
+# ------------------------------------------------------------------------------------------------ first run
+def test_the_op_cache_is_one_per_environment(tmp_path: Path) -> None:
+    from lightning_gaudi_ds import _compat
+    from lightning_gaudi_ds.jit_ops import locks
+
+    tag = _compat.extensions_tag()
+    assert locks.environment_cache_dir("/envs/a", "/usr", {}) == Path("/envs/a/torch_extensions", tag)
+    assert locks.environment_cache_dir("/envs/b", "/usr", {}) != locks.environment_cache_dir("/envs/a", "/usr", {})
+    conda = "/opt/conda/envs/c"
+    assert locks.environment_cache_dir(conda, conda, {"CONDA_PREFIX": conda}) == Path(conda, "torch_extensions", tag)
+    assert locks.environment_cache_dir("/usr", "/usr", {}) is None  # a system Python keeps torch's default
+    environ: dict[str, str] = {}
+    root = locks.use_environment_cache(environ)
+    if sys.prefix != sys.base_prefix:
+        assert root == Path(sys.prefix, "torch_extensions", tag) and environ["TORCH_EXTENSIONS_DIR"] == str(root)
+    mine = {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    assert locks.use_environment_cache(mine) == tmp_path and mine == {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    assert _files(tmp_path) == []  # deciding creates nothing
+

@@ -25,6 +25,7 @@ from lightning_gaudi_ds.jit_ops.locks import (
     clear_stale_locks,
     inspect_lock,
     lock_path,
+    use_environment_cache,
 )
 
 SHM_COMM = "deepspeed_shm_comm"
@@ -160,7 +161,9 @@ class BuildResult:
 
 
 def build_ops(names: Sequence[str] = tuple(OPS), say: Callable[[str], None] = say) -> list[BuildResult]:
-    """Build (or confirm up to date) DeepSpeed ops ``names`` for the active DeepSpeed accelerator."""
+    """Build (or confirm up to date) DeepSpeed ops ``names`` for the active DeepSpeed accelerator, in this
+    environment's op cache (see :func:`~lightning_gaudi_ds.jit_ops.locks.use_environment_cache`)."""
+    use_environment_cache()
     results = []
     for name in names:
         spec = OPS[name]
@@ -208,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(args.ops) - set(OPS))
     if unknown:
         parser.error(f"unknown op(s) {unknown}; known: {', '.join(OPS)}")
+    use_environment_cache()
     if args.action == "clear-stale-locks":
         try:
             clear_stale_locks(args.ops, say)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,30 @@ class BuildLockError(RuntimeError):
 def extensions_root() -> Path:
     """Where torch builds extensions (``TORCH_EXTENSIONS_DIR``, else its per-Python, per-build cache dir)."""
     return _compat.extensions_root()
+
+
+def environment_cache_dir(prefix: str = sys.prefix, base_prefix: str = sys.base_prefix,
+                          environ: Mapping[str, str] = os.environ) -> Path | None:
+    """This Python environment's own op cache, ``<sys.prefix>/torch_extensions/py<ver>_<build>``; None outside a
+    virtual or conda environment (torch's shared default then applies).
+
+    Torch's default cache is shared by every environment with the same Python and torch build, so two environments
+    rebuild the same op against each other's DeepSpeed and torch on every switch.
+    """
+    if prefix == base_prefix and environ.get("CONDA_PREFIX") != prefix:
+        return None
+    return Path(prefix) / "torch_extensions" / _compat.extensions_tag()
+
+
+def use_environment_cache(environ: MutableMapping[str, str] = os.environ) -> Path:
+    """Point ``TORCH_EXTENSIONS_DIR`` at :func:`environment_cache_dir` unless the user set it; return the cache root
+    in use. Run before DeepSpeed builds or loads an op (every rank inherits it from then on)."""
+    if not environ.get("TORCH_EXTENSIONS_DIR"):
+        own = environment_cache_dir(environ=environ)
+        if own is not None:
+            environ["TORCH_EXTENSIONS_DIR"] = str(own)
+    root = environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(root) if root else extensions_root()
 
 
 def build_dir(name: str) -> Path:

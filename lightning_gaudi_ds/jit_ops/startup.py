@@ -33,7 +33,7 @@ from lightning_gaudi_ds.jit_ops.build import (
     say,
     short_error,
 )
-from lightning_gaudi_ds.jit_ops.locks import BuildLockError, clear_stale_locks
+from lightning_gaudi_ds.jit_ops.locks import BuildLockError, clear_stale_locks, use_environment_cache
 
 SHM_MODE_ENV = "LIGHTNING_GAUDI_DS_SHM_COMM"
 SHM_MODES = ("off", "on")
@@ -86,6 +86,7 @@ def prepare_startup(
     docstring) and, with ZeRO-Offload (``offload_optimizer``), loads ``cpu_adam`` (building it once if needed,
     with a message).
     """
+    use_environment_cache()
     # Ops this run does not load only get a warning for a lock that cannot be judged; loaded ones raise.
     cleared = [str(i.path) for i in clear_stale_locks(tuple(OPS), say, strict=False) if i.state == "stale"]
     result = _prepare_shm(world_size, say) if deepspeed_accelerator == "cpu" else StartupOps("not used")
