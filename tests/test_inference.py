@@ -25,7 +25,7 @@ def _check_split_and_equal(results: list[dict]) -> None:
     for r in results:
         assert r["engine"] == "InferenceEngine"
         assert r["max_abs_diff"] < 1e-4, r
-        assert abs(r["val_loss"] - r["ref_val_loss"]) < 1e-4, r
+        assert abs(r["val_loss"] - r["ref_val_loss"]) < 1e-4 and abs(r["test_loss"] - r["ref_val_loss"]) < 1e-4, r
         assert r["local_params"] < 0.8 * r["total_params"], r  # the large matrices are split
     # use_distributed_sampler=True (the default): both ranks of the group read every sample, in the same order
     assert results[0]["seen"] == results[1]["seen"] == list(range(8))

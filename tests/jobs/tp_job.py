@@ -6,10 +6,10 @@ DeepSpeed's AutoTP. ``--model gpt``: the example GPT (examples/train_lm.py) with
 that checkpoint with ``ckpt_path=``.
 
 Every rank computes the reference itself, in one process without DeepSpeed (the same seeded weights, or the
-checkpoint's fp32 export), then runs ``trainer.predict`` and ``trainer.validate`` on ``--devices`` ranks with
-``tensor_parallel={"tp_size": --tp}`` and ``use_distributed_sampler`` left on. It writes ``<out>/rank<N>.json``:
-the largest logit difference to the reference, the validation losses, the parameter elements this rank holds and
-the model's total, and the samples each rank computed.
+checkpoint's fp32 export), then runs ``trainer.predict``, ``trainer.validate`` and ``trainer.test`` on ``--devices``
+ranks with ``tensor_parallel={"tp_size": --tp}`` and ``use_distributed_sampler`` left on. It writes
+``<out>/rank<N>.json``: the largest logit difference to the reference, the losses, the parameter elements this rank
+holds and the model's total, and the samples each rank computed.
 """
 
 from __future__ import annotations
@@ -69,10 +69,14 @@ class Served(L.LightningModule):
         loss = F.cross_entropy(self.logits(x).flatten(0, 1), y.flatten())
         self.log("val_loss", loss, sync_dist=True)
 
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y, _ = batch
+        self.log("test_loss", F.cross_entropy(self.logits(x).flatten(0, 1), y.flatten()), sync_dist=True)
+
     def predict_dataloader(self) -> DataLoader:
         return DataLoader(_data(), batch_size=4)
 
-    val_dataloader = predict_dataloader
+    val_dataloader = test_dataloader = predict_dataloader
 
 
 class ServedLlama(Served):
@@ -159,6 +163,7 @@ def main() -> None:
     )
     preds = torch.cat(trainer.predict(served, ckpt_path=ckpt))
     val = trainer.validate(served, verbose=False)[0]["val_loss"]  # the split module again, with its weights
+    test = trainer.test(served, verbose=False)[0]["test_loss"]
     rank = trainer.global_rank
     result = {
         "rank": rank,
@@ -167,6 +172,7 @@ def main() -> None:
         "diff_to_random_init": float((ref_logits - random_logits).abs().max()),
         "ref_val_loss": ref_loss,
         "val_loss": float(val),
+        "test_loss": float(test),
         "local_params": served.local_params,
         "total_params": total,
         "seen": served.seen,
