@@ -378,6 +378,10 @@ class RunReport(L.Callback):
             metrics = Path(logger.log_dir) / "metrics.csv"
             where = str(metrics) if metrics.exists() else f"{logger.log_dir} ({type(logger).__name__})"
             lines.append(f"logs:       {where}")
+            if metrics.exists():
+                curve = plot_losses(metrics)
+                lines.append(f"loss curve: {curve}" if curve is not None else
+                             "loss curve: not drawn (needs matplotlib: pip install -e '.[examples]')")
             ds_config = Path(logger.log_dir) / "deepspeed_config.json"
             if ds_config.exists():
                 lines.append(f"ds config:  {ds_config} (as resolved for this run)")
@@ -388,6 +392,38 @@ class RunReport(L.Callback):
         if self.sample is not None:
             lines += [f"sample:     {self.sample_tokens} bytes after {self.prompt!r}", "-" * 78, self.sample, "-" * 78]
         return "\n".join(lines)
+
+
+def plot_losses(metrics: Path) -> Optional[Path]:
+    """Draw train and validation loss against the step from Lightning's CSV log into ``loss_curve.png`` next to it;
+    None without matplotlib (optional: the ``examples`` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, never a window
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    import csv
+
+    series: dict[str, list[tuple[int, float]]] = {"train_loss": [], "val_loss": []}
+    with metrics.open() as f:
+        for row in csv.DictReader(f):
+            for key, points in series.items():
+                if row.get(key) and row.get("step"):
+                    points.append((int(row["step"]), float(row[key])))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, points in series.items():
+        if points:
+            ax.plot(*zip(*points), marker="o" if key == "val_loss" else None, label=key.replace("_", " "))
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats per byte)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path = metrics.with_name("loss_curve.png")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path
 
 
 def _partitioned_share(module: Optional[L.LightningModule]) -> Optional[float]:

@@ -27,7 +27,7 @@ pipq() { python -m pip install -q "$@" 2>&1 | { grep -v '^WARNING: Location' || 
 pipq --upgrade pip
 # Pin torch here only (a CPU build); the package's own range stays loose for Habana's and CUDA torch.
 pipq "torch==2.13.0"
-pipq -e ".[test]"
+pipq -e ".[test,examples]"  # examples: train.sh's CLI and its loss curve
 # DeepSpeed's C++ ops that it would otherwise JIT-compile on first use (the CPU shm comm op, cpu_adam for
 # ZeRO-Offload), built now so a first training run starts as fast as later ones; a no-op once built.
 # Without a compiler training still works (plain torch.distributed collectives). Skip: LIGHTNING_GAUDI_DS_SKIP_OP_BUILD=1

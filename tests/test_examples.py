@@ -147,6 +147,14 @@ def test_optimizer_groups_and_schedule():
 
 
 @pytest.mark.filterwarnings("ignore:.*tensorboardX.*")
+def test_loss_curve_is_drawn_next_to_the_csv_log(tmp_path):
+    metrics = tmp_path / "metrics.csv"
+    metrics.write_text("epoch,step,train_loss,val_loss\n0,9,3.1,\n0,19,2.7,\n0,19,,2.8\n")
+    curve = lm.plot_losses(metrics)
+    assert curve == tmp_path / "loss_curve.png" and curve.read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loss_curve.png", "metrics.csv"]
+
+
 @pytest.mark.parametrize("name", YAMLS)
 def test_yaml_parses_to_the_recipe(name, tmp_path, monkeypatch):
     """Every shipped YAML builds its Trainer (no process is started): strategy class, stage, offload, bf16, 2 devices."""
@@ -211,6 +219,8 @@ def _check_run(out: str, stage: int) -> None:
     rows = list(csv.DictReader(metrics.open()))
     for column in ("train/samples_per_sec", "train/items_per_sec", "train_loss", "val_loss"):
         assert any(row.get(column) for row in rows), f"{column} never logged in {metrics}"
+    curve = Path(_summary_field(out, "loss curve"))
+    assert curve == metrics.with_name("loss_curve.png") and curve.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     checkpoint = Path(_summary_field(out, "checkpoint").split(" ")[0])
     shards = sorted(p.name for p in checkpoint.rglob("*optim_states.pt"))
     assert len(shards) == 2, f"expected one optimizer shard per process under {checkpoint}, found {shards}"
