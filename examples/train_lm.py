@@ -415,7 +415,7 @@ def plot_losses(metrics: Path) -> Optional[Path]:
     fig, ax = plt.subplots(figsize=(7, 4))
     for key, points in series.items():
         if points:
-            ax.plot(*zip(*points), marker="o" if key == "val_loss" else None, label=key.replace("_", " "))
+            ax.plot(*zip(*points, strict=True), marker="o" if key == "val_loss" else None, label=key.replace("_", " "))
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats per byte)")
     ax.grid(alpha=0.3)
