@@ -1,9 +1,11 @@
 """``HPUDeepSpeedStrategy``: Lightning's DeepSpeed strategy made device-neutral (HPU, CUDA, CPU).
 
 Only Lightning's hooks live here; they gather facts from the Trainer and delegate: the DeepSpeed config to
-:mod:`lightning_gaudi_ds.config`, the optimizer policy to :mod:`lightning_gaudi_ds.engine`, checkpoints to
-:mod:`lightning_gaudi_ds.checkpoint`, JIT-built ops to :mod:`lightning_gaudi_ds.jit_ops`. Everything else (precision
-plugin, checkpointing, ZeRO-3 ``zero.Init``, optimizer wiring) is Lightning's own ``DeepSpeedStrategy``.
+:mod:`lightning_gaudi_ds.config`, the optimizer policy to :mod:`lightning_gaudi_ds.engine`, what the device needs
+around the engine (Gaudi execution mode, compile, graph breaks) to :mod:`lightning_gaudi_ds.engine.device`,
+``stage="auto"`` to :mod:`lightning_gaudi_ds.planning.auto`, checkpoints to :mod:`lightning_gaudi_ds.checkpoint`,
+JIT-built ops to :mod:`lightning_gaudi_ds.jit_ops`. Everything else (precision plugin, checkpointing, ZeRO-3
+``zero.Init``, optimizer wiring) is Lightning's own ``DeepSpeedStrategy``.
 
 DeepSpeed itself is imported inside the methods that use it: importing it picks DeepSpeed's global accelerator by
 auto-detection (and logs it), which must wait until ``setup_environment`` has chosen the Trainer's device; it
@@ -46,7 +48,6 @@ from lightning_gaudi_ds._compat import (
     _StrategyRegistry,
     _validate_device_index_selection,
     attached_trainer,
-    created_deepspeed_accelerator,
     remove_module_hooks,
     reset_zero3_trace_at_outer_forward_only,
     set_deepspeed_accelerator,
@@ -72,28 +73,17 @@ from lightning_gaudi_ds.config import (
 from lightning_gaudi_ds.config.keys import get as get_key
 from lightning_gaudi_ds.devices import (
     DeviceSpec,
-    deterministic_change,
-    deterministic_state,
     device_spec,
     hpu_available,
-    move_keeping_tied_parameters,
     validate_precision,
 )
 from lightning_gaudi_ds.engine import inference, train
+from lightning_gaudi_ds.engine.device import DeviceRuntime, hccl_reduce_input
 from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV, prepare_startup
 from lightning_gaudi_ds.launch.environments import check_launcher_world_size, resolve_environment
 from lightning_gaudi_ds.launch.rendezvous import announce_wait, rendezvous_timeout, timed_out_message
-from lightning_gaudi_ds.planning import choose
-from lightning_gaudi_ds.planning.auto import (
-    AUTO,
-    AutoStage,
-    activation_bytes_of,
-    apply_choice,
-    config_contradiction,
-    plan_for_module,
-)
-from lightning_gaudi_ds.planning.command import format_table
-from lightning_gaudi_ds.planning.detect import detect_device_memory, detect_host_memory
+from lightning_gaudi_ds.planning import auto
+from lightning_gaudi_ds.planning.auto import AUTO, AutoStage, config_contradiction
 
 if TYPE_CHECKING:
     import deepspeed
@@ -239,14 +229,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         self._check_offload(explicit, offload_parameters)
         if number_checkpoints is not None:
             self._set_number_checkpoints(number_checkpoints)
-        self._requested_hpu_mode: hpu.Mode | None = hpu_mode
-        self._requested_compile = torch_compile
-        self.hpu_mode: hpu.Mode | None = None  # the mode in force, once the Trainer chose an HPU
-        self._deterministic_at_trainer = deterministic_state()
-        self._deepspeed_hpu_before_trainer = False
-        self._mark_step: Callable[[], None] | None = None
+        self._runtime = DeviceRuntime(requested_mode=hpu_mode, requested_compile=torch_compile)
         self.chosen_configuration: dict[str, Any] | None = None  # stage="auto": what setup chose
-        self._owns_local_size = False
         self._inference = inference.settings_from(
             dict(tensor_parallel=tensor_parallel, dtype=dtype, replace_with_kernel_inject=replace_with_kernel_inject,
                  injection_policy=injection_policy, replace_method=replace_method, enable_cuda_graph=enable_cuda_graph),
@@ -277,9 +261,12 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     @property
     def torch_compile(self) -> bool:
         """Whether the engine is compiled after ``deepspeed.initialize`` (see the ``torch_compile`` argument)."""
-        if self._requested_compile is not None:
-            return self._requested_compile
-        return self.hpu_mode == "eager"
+        return self._runtime.compile
+
+    @property
+    def hpu_mode(self) -> hpu.Mode | None:
+        """The Gaudi execution mode in force, once the Trainer chose an HPU."""
+        return self._runtime.mode
 
     def _set_number_checkpoints(self, count: int) -> None:
         assert isinstance(self.config, dict)
@@ -314,17 +301,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             )
         if self.num_nodes > 1:
             rendezvous_timeout()  # a bad LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT is refused before any process starts
-        # The Trainer's constructor has applied Trainer(deterministic=...) by now.
-        self._deterministic_at_trainer = deterministic_state()
-        self._deepspeed_hpu_before_trainer = created_deepspeed_accelerator() == "hpu"
-        if self.parallel_devices[0].type == "hpu":
-            # Refuses a mode other than the imported one, and exports it to the ranks Lightning's launcher starts.
-            self.hpu_mode = hpu.check_mode(self._requested_hpu_mode)
-            if self.hpu_mode == "lazy" and self._requested_compile:
-                raise ConfigError(
-                    "`HPUDeepSpeedStrategy(torch_compile=True)` with HPU lazy mode: torch.compile needs eager mode."
-                    " Run with PT_HPU_LAZY_MODE=0 (hpu_mode='eager'), or drop torch_compile=True."
-                )
+        self._runtime.at_trainer(self.parallel_devices[0].type)
         self._validate_device_indices()
         assert isinstance(self.config, dict)
         check_activation_checkpointing(self.config, self._resolver.source or "built from HPUDeepSpeedStrategy's"
@@ -342,24 +319,10 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         # accelerator but CUDA; plus the device's preparation before the process group starts.
         self._validate_trainer_flags()
         spec = self.device_spec
-        if spec.device_type == "hpu":
-            hpu.prepare_environment()
-        elif spec.device_type == "cpu" and "LOCAL_SIZE" not in os.environ:
-            # DeepSpeed's CPU accelerator counts devices from LOCAL_SIZE (its launcher sets it) and otherwise runs
-            # `numactl --hardware` in a subprocess on every call: ZeRO-3 calls it for every reduce bucket.
-            # Removed again in teardown, so a later Trainer in this process never reads it as a launcher's.
-            os.environ["LOCAL_SIZE"] = str(self.num_processes)
-            self._owns_local_size = True
+        self._runtime.before_accelerator_selected(spec.device_type, self.num_processes)
         self._select_deepspeed_accelerator(spec)
-        # DeepSpeed's HPU accelerator forces deterministic mode when it is created: at the selection above, or
-        # earlier when deepspeed was imported on a Gaudi machine. Compared after the selection whatever it did.
-        change = deterministic_change(self._deterministic_at_trainer, self._deepspeed_hpu_before_trainer)
-        if change:
-            rank_zero_warn(change)
+        self._runtime.after_accelerator_selected(spec.device_type)
         if spec.device_type == "hpu":
-            hpu.disable_uninitialized_memory_fill()
-            self.hpu_mode = self.hpu_mode or hpu.check_mode(self._requested_hpu_mode)
-            rank_zero_info(hpu.describe_mode(self.hpu_mode, self._compile_backend() if self.torch_compile else None))
             self.set_world_ranks()  # HCCL is prepared before the device is touched
             hpu.init_distributed(self.world_size, self.global_rank, self.local_rank)
         DDPStrategy.setup_environment(self)
@@ -431,12 +394,6 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         if previous is not None:
             rank_zero_info(f"DeepSpeed accelerator: {spec.deepspeed_accelerator} (was {previous})")
 
-    @staticmethod
-    def _compile_backend() -> str:
-        from deepspeed.accelerator import get_accelerator
-
-        return str(get_accelerator().get_compile_backend())
-
     def _validate_trainer_flags(self) -> None:
         """Trainer settings DeepSpeed cannot honour, reported before the process group starts."""
         trainer = attached_trainer(self.lightning_module)
@@ -455,10 +412,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        if self.device_spec.device_type == "hpu":
-            self._mark_step = hpu.mark_step_fn(self.hpu_mode)
-            if self.lightning_module is not None:  # the engine expects the model on the card
-                move_keeping_tied_parameters(self.lightning_module, self.root_device)
+        self._runtime.before_engine(self.lightning_module, self.root_device)
         with _third_party_deprecations_silenced():
             super().setup(trainer)
 
@@ -541,9 +495,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
                 scheduler_config.scheduler = ds_scheduler
             self.lr_scheduler_configs = [scheduler_config]
         self.model = engine
-        if self.torch_compile:
-            # Through the engine: Lightning refuses a module already passed through torch.compile with DeepSpeed.
-            engine.compile(backend=self._compile_backend())
+        self._runtime.compile_engine(engine)
 
     @override
     def _set_deepspeed_activation_checkpointing(self) -> None:
@@ -635,18 +587,13 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         return isinstance(section, dict) and bool(section.get("contiguous_memory_optimization"))
 
     def _graph_break(self) -> None:
-        if self._mark_step is not None:
-            self._mark_step()
+        self._runtime.graph_break()
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         if self._get_process_group_backend() != "hccl" or not isinstance(tensor, Tensor):
             return super().reduce(tensor, group, reduce_op)
-        # hccl is registered for HPU tensors only (a logged CPU value would find no backend), and reduces with
-        # sum/min/max only: a mean is a sum divided by the ranks, in floating point so integers do not truncate.
-        mean = _is_mean(reduce_op)
-        dtype = torch.get_default_dtype() if mean and not tensor.is_floating_point() else None
-        tensor = tensor.to(device=self.root_device, dtype=dtype)
+        tensor, mean = hccl_reduce_input(tensor, self.root_device, reduce_op)
         if not mean:
             return super().reduce(tensor, group, reduce_op)
         size = torch.distributed.get_world_size(group) if group is not None else self.world_size
@@ -669,9 +616,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def teardown(self) -> None:
         super().teardown()
-        if self._owns_local_size:
-            os.environ.pop("LOCAL_SIZE", None)
-            self._owns_local_size = False
+        self._runtime.teardown()
 
     # ------------------------------------------------------ DeepSpeed JSON config: load, "auto", contradictions
     # Lightning's __init__ calls _load_config; setup (and ZeRO-3's model_sharded_context) call _init_config_if_needed
@@ -737,38 +682,16 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         Runs before the config's first resolution: in ZeRO-3's ``model_sharded_context`` before ``configure_model``
         (the parameters are counted on a meta-device copy), else at ``setup``.
         """
-        if self._auto is None or not isinstance(self.config, dict):
+        if self._auto is None or not auto.pending(self.config) or self.lightning_module is None:
             return
-        if (self.config.get("zero_optimization") or {}).get("stage") != AUTO or self.lightning_module is None:
-            return
-        assert self.parallel_devices is not None
-        auto, module = self._auto, self.lightning_module
-        precision = self.precision_plugin.precision
-        decision: tuple[Any, ...]
-        if self.is_global_zero:
-            try:
-                device_memory = auto.device_memory or detect_device_memory(self.root_device.type)
-                activations = activation_bytes_of(module, precision, self.root_device) \
-                    if auto.measure_activations else None
-                rows = plan_for_module(
-                    module, auto, devices=len(self.parallel_devices), nodes=self.num_nodes, precision=precision,
-                    device_memory=device_memory, host_memory=auto.host_memory or detect_host_memory(),
-                    zero_config=self._config_as_resolved().get("zero_optimization"), activation_bytes=activations,
-                )
-                row = choose(rows)
-                rank_zero_info(format_table(rows, type(module).__name__)
-                               + f"\nstage='auto' chose {row['label']} (the fastest configuration that fits)")
-                decision = ("ok", {k: row[k] for k in ("stage", "offload_optimizer", "offload_parameters", "label")})
-            except ValueError as err:
-                decision = ("error", str(err))
-        else:
-            decision = ("", None)
-        kind, value = self.broadcast(decision, src=0) if self.world_size > 1 else decision
-        if kind == "error":
-            raise MisconfigurationException(f"HPUDeepSpeedStrategy(stage='auto'): {value}")
-        assert isinstance(value, dict)
-        apply_choice(self.config, value)
-        self.chosen_configuration = value
+        assert self.parallel_devices is not None and isinstance(self.config, dict)
+        decision = auto.decide(
+            self.lightning_module, self._auto, device=self.root_device, devices=len(self.parallel_devices),
+            nodes=self.num_nodes, precision=self.precision_plugin.precision,
+            zero_config=lambda: self._config_as_resolved().get("zero_optimization"),
+        ) if self.is_global_zero else ("", None)
+        decision = self.broadcast(decision, src=0) if self.world_size > 1 else decision
+        self.chosen_configuration = auto.adopt(decision, self.config)
 
     def _config_as_resolved(self) -> dict[str, Any]:
         """The config with the bucket sizes the resolver will give it (from the model unless set)."""
@@ -909,12 +832,6 @@ def _third_party_deprecations_silenced() -> Iterator[None]:
 def _is_partition(param: Tensor) -> bool:
     """A ZeRO-3 parameter whose data is an empty placeholder (the values live in its rank's partition)."""
     return int(getattr(param, "ds_numel", 0)) > 0 and param.numel() == 0
-
-
-def _is_mean(reduce_op: Any) -> bool:
-    if isinstance(reduce_op, str):
-        return reduce_op.lower() in ("mean", "avg")
-    return bool(reduce_op == torch.distributed.ReduceOp.AVG)
 
 
 # Defining the strategy registers its names, however this module was reached (lightning_gaudi_ds/__init__.py

@@ -7,7 +7,7 @@ Pure functions of a module and numbers: the strategy gathers the facts (devices,
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,3 +126,54 @@ def apply_choice(config: MutableMapping[str, Any], row: Mapping[str, Any]) -> No
             zero[key] = {"device": "cpu", "pin_memory": False}
         else:
             zero.pop(key, None)
+
+
+def pending(config: Any) -> bool:
+    """Whether ``config`` still waits for the planner's choice (its stage is ``"auto"``)."""
+    return isinstance(config, Mapping) and (config.get("zero_optimization") or {}).get("stage") == AUTO
+
+
+def decide(
+    module: nn.Module,
+    auto: AutoStage,
+    *,
+    device: Any,
+    devices: int,
+    nodes: int,
+    precision: str,
+    zero_config: Callable[[], Mapping[str, Any] | None],
+) -> tuple[str, Any]:
+    """Rank 0's choice, as a value to broadcast: ``("ok", row)`` with the chosen stage and offload, or
+    ``("error", message)``. Logs the plan's table and the choice."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    from lightning_gaudi_ds.planning.command import format_table
+    from lightning_gaudi_ds.planning.detect import detect_device_memory, detect_host_memory
+    from lightning_gaudi_ds.planning.memory import choose
+
+    try:
+        device_memory = auto.device_memory or detect_device_memory(device.type)
+        activations = activation_bytes_of(module, precision, device) if auto.measure_activations else None
+        rows = plan_for_module(
+            module, auto, devices=devices, nodes=nodes, precision=precision,
+            device_memory=device_memory, host_memory=auto.host_memory or detect_host_memory(),
+            zero_config=zero_config(), activation_bytes=activations,
+        )
+        row = choose(rows)
+        rank_zero_info(format_table(rows, type(module).__name__)
+                       + f"\nstage='auto' chose {row['label']} (the fastest configuration that fits)")
+        return "ok", {k: row[k] for k in ("stage", "offload_optimizer", "offload_parameters", "label")}
+    except ValueError as err:
+        return "error", str(err)
+
+
+def adopt(decision: tuple[str, Any], config: MutableMapping[str, Any]) -> dict[str, Any]:
+    """Write rank 0's :func:`decide` into ``config`` and return the choice; its error is raised on every rank."""
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    kind, value = decision
+    if kind == "error":
+        raise MisconfigurationException(f"HPUDeepSpeedStrategy(stage='auto'): {value}")
+    assert isinstance(value, dict)
+    apply_choice(config, value)
+    return value
