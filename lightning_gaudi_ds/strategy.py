@@ -83,7 +83,7 @@ from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV, prepare_startup
 from lightning_gaudi_ds.launch.environments import check_launcher_world_size, resolve_environment
 from lightning_gaudi_ds.launch.rendezvous import announce_wait, rendezvous_timeout, timed_out_message
 from lightning_gaudi_ds.planning import auto
-from lightning_gaudi_ds.planning.auto import AUTO, AutoStage, config_contradiction
+from lightning_gaudi_ds.planning.auto import AUTO, AutoStage
 
 if TYPE_CHECKING:
     import deepspeed
@@ -182,20 +182,10 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
                 " (0: no sharding, 1: optimizer states, 2: + gradients, 3: + parameters) or 'auto' (the fastest"
                 " that fits, chosen at setup)."
             )
-        self._auto: AutoStage | None = None
-        if stage == AUTO:
-            if offload_optimizer or offload_parameters:
-                raise MisconfigurationException(
-                    "`HPUDeepSpeedStrategy(stage='auto')` chooses offload itself; drop"
-                    f" offload_optimizer={offload_optimizer}/offload_parameters={offload_parameters}, or pass a"
-                    " stage instead of 'auto'."
-                )
-            self._auto = AutoStage.from_arguments(device_memory, measure_activations=measure_activations)
-        elif device_memory is not None or measure_activations:
-            raise ConfigError(
-                "`HPUDeepSpeedStrategy(device_memory=..., measure_activations=...)` only apply to stage='auto'"
-                f" (the planner's choice); with stage={stage} drop them."
-            )
+        self._auto: AutoStage | None = auto.from_strategy_arguments(
+            stage, device_memory, measure_activations, offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters,
+        )
         if offload_parameters and stage != 3 and config is None:
             raise ConfigError(
                 f"`HPUDeepSpeedStrategy(stage={stage}, offload_parameters=True)`: parameter offload needs ZeRO"
@@ -221,11 +211,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             process_group_backend=process_group_backend, logging_level=logging_level, **kwargs,
         )
         if self._auto is not None:
-            problem = config_contradiction(self.config if config is not None else None, self._resolver.source)
-            if problem:
-                raise MisconfigurationException(problem)
             assert isinstance(self.config, dict)
-            self.config.setdefault("zero_optimization", {})["stage"] = AUTO
+            auto.mark_pending(self.config, config is not None, self._resolver.source)
         self._check_offload(explicit, offload_parameters)
         if number_checkpoints is not None:
             self._set_number_checkpoints(number_checkpoints)
@@ -294,11 +281,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             world = len(self.parallel_devices) * self.num_nodes
             inference.check_world(self._inference, world, self.parallel_devices[0].type)
             self._inference_dtype = inference.resolve_dtype(self._inference, self.precision_plugin.precision)
-        if self._auto is not None and self._auto.device_memory is None and self.parallel_devices[0].type == "cpu":
-            raise MisconfigurationException(
-                "`HPUDeepSpeedStrategy(stage='auto')` on CPU needs the memory to plan for: pass device_memory"
-                " (e.g. device_memory='24GiB'; on HPU and CUDA it is read from the device)."
-            )
+        if self._auto is not None:
+            auto.check_device(self._auto, self.parallel_devices[0].type)
         if self.num_nodes > 1:
             rendezvous_timeout()  # a bad LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT is refused before any process starts
         self._runtime.at_trainer(self.parallel_devices[0].type)

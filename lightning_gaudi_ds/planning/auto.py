@@ -177,3 +177,49 @@ def adopt(decision: tuple[str, Any], config: MutableMapping[str, Any]) -> dict[s
     assert isinstance(value, dict)
     apply_choice(config, value)
     return value
+
+
+def from_strategy_arguments(
+    stage: Any, device_memory: int | str | None, measure_activations: bool, *, offload_optimizer: bool,
+    offload_parameters: bool,
+) -> AutoStage | None:
+    """The strategy's ``stage="auto"`` arguments (None for a fixed stage); refuses those that contradict it."""
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_gaudi_ds.config import ConfigError
+
+    if stage == AUTO:
+        if offload_optimizer or offload_parameters:
+            raise MisconfigurationException(
+                "`HPUDeepSpeedStrategy(stage='auto')` chooses offload itself; drop"
+                f" offload_optimizer={offload_optimizer}/offload_parameters={offload_parameters}, or pass a"
+                " stage instead of 'auto'."
+            )
+        return AutoStage.from_arguments(device_memory, measure_activations=measure_activations)
+    if device_memory is not None or measure_activations:
+        raise ConfigError(
+            "`HPUDeepSpeedStrategy(device_memory=..., measure_activations=...)` only apply to stage='auto'"
+            f" (the planner's choice); with stage={stage} drop them."
+        )
+    return None
+
+
+def mark_pending(config: MutableMapping[str, Any], user_config: bool, source: str | None) -> None:
+    """Set the config's stage to ``"auto"`` until setup chooses; refuses a user config that sets stage or offload."""
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    problem = config_contradiction(config if user_config else None, source)
+    if problem:
+        raise MisconfigurationException(problem)
+    config.setdefault("zero_optimization", {})["stage"] = AUTO
+
+
+def check_device(auto: AutoStage, device_type: str) -> None:
+    """Refuses, before any process starts, a device whose memory cannot be read (CPU) when none was given."""
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    if auto.device_memory is None and device_type == "cpu":
+        raise MisconfigurationException(
+            "`HPUDeepSpeedStrategy(stage='auto')` on CPU needs the memory to plan for: pass device_memory"
+            " (e.g. device_memory='24GiB'; on HPU and CUDA it is read from the device)."
+        )
