@@ -28,24 +28,5 @@ if [ "$ACCELERATOR" = cuda ] && ! "$PY" -c "import sys, torch; sys.exit(not torc
   exit 2
 fi
 
-: >"$LOG"
-"$PY" scripts/device_check.py --stack 2>>"$LOG" | grep '^{' || { echo "device_check: could not read versions (see $LOG)" >&2; exit 1; }
-status=0
-for stage in $STAGES; do
-  case="zero$stage-$PRECISION-$ACCELERATOR"
-  echo "== $case, $STEPS steps" >>"$LOG"
-  # timeout runs a case in its own process group and signals the whole group: every rank Lightning started, too.
-  out=$(timeout --signal=TERM --kill-after=10 "$TIMEOUT" "$PY" scripts/device_check.py --stage "$stage" \
-        --steps "$STEPS" --devices "$DEVICES" --precision "$PRECISION" --accelerator "$ACCELERATOR" 2>>"$LOG")
-  rc=$?
-  echo "$out" >>"$LOG"
-  line=$(printf '%s\n' "$out" | grep '^{"case"' | tail -1)
-  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-    line="{\"case\": \"$case\", \"stage\": $stage, \"ok\": false, \"error\": \"timed out after ${TIMEOUT}s\"}"
-  elif [ -z "$line" ]; then
-    line="{\"case\": \"$case\", \"stage\": $stage, \"ok\": false, \"error\": \"exit status $rc without a result line\"}"
-  fi
-  echo "$line"
-  [ "$rc" -eq 0 ] || { status=1; echo "device_check: $case failed (exit status $rc; see $LOG)" >&2; }
-done
-exit $status
+NAME=device_check RUNNER=scripts/device_check.py KILL_AFTER=10 CASE_SUFFIX="-$ACCELERATOR" STACK_WHAT="versions"
+source scripts/check_cases.sh

@@ -31,27 +31,9 @@ fi
 # that every rank imports it in the same mode, and printed so the log says which one ran.
 export PT_HPU_LAZY_MODE=${PT_HPU_LAZY_MODE:-0}
 
-: >"$LOG"
-echo "== software stack" | tee -a "$LOG" >&2
-"$PY" -m lightning_gaudi_ds env >>"$LOG" 2>&1 || echo "hpu_check: 'python -m lightning_gaudi_ds env' failed (see $LOG)" >&2
-"$PY" scripts/hpu_check.py --stack 2>>"$LOG" | grep '^{' || { echo "hpu_check: could not read the stack (see $LOG)" >&2; exit 1; }
-
-status=0
-for stage in $STAGES; do
-  case="zero$stage-$PRECISION"
-  echo "== $case, $STEPS steps" >>"$LOG"
-  # timeout runs a case in its own process group and signals the whole group: every rank Lightning started, too.
-  out=$(timeout --signal=TERM --kill-after=30 "$TIMEOUT" "$PY" scripts/hpu_check.py --stage "$stage" \
-        --steps "$STEPS" --devices "$DEVICES" --precision "$PRECISION" --accelerator "$ACCELERATOR" 2>>"$LOG")
-  rc=$?
-  echo "$out" >>"$LOG"
-  line=$(printf '%s\n' "$out" | grep '^{"case"' | tail -1)
-  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-    line="{\"case\": \"$case\", \"stage\": $stage, \"ok\": false, \"error\": \"timed out after ${TIMEOUT}s\"}"
-  elif [ -z "$line" ]; then
-    line="{\"case\": \"$case\", \"stage\": $stage, \"ok\": false, \"error\": \"exit status $rc without a result line\"}"
-  fi
-  echo "$line"
-  [ "$rc" -eq 0 ] || { status=1; echo "hpu_check: $case failed (exit status $rc; see $LOG)" >&2; }
-done
-exit $status
+NAME=hpu_check RUNNER=scripts/hpu_check.py KILL_AFTER=30 CASE_SUFFIX="" STACK_WHAT="the stack"
+before_stack() {
+  echo "== software stack" | tee -a "$LOG" >&2
+  "$PY" -m lightning_gaudi_ds env >>"$LOG" 2>&1 || echo "hpu_check: 'python -m lightning_gaudi_ds env' failed (see $LOG)" >&2
+}
+source scripts/check_cases.sh
