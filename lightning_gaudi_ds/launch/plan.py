@@ -140,6 +140,8 @@ def check_script(argv: Sequence[str], cwd: Path | None = None) -> None:
             raise ValueError(f"module {argv[1]!r}: no module named {top!r} in this Python ({sys.executable}); install"
                              " it, or check PYTHONPATH and the name.")
         return
+    if argv[0].startswith("-"):  # another interpreter option (-c code, -u ...): nothing to look up
+        return
     script = Path(cwd or Path.cwd(), argv[0])
     if not script.is_file():
         what = "is a directory" if script.is_dir() else "does not exist"
