@@ -362,3 +362,14 @@ def test_the_op_cache_is_one_per_environment(tmp_path: Path) -> None:
     assert locks.use_environment_cache(mine) == tmp_path and mine == {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
     assert _files(tmp_path) == []  # deciding creates nothing
 
+
+
+def test_convert_to_a_folder_that_cannot_be_made_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from lightning_gaudi_ds.cli import main
+
+    ckpt = _stage_0_checkpoint(tmp_path)
+    (tmp_path / "file").write_text("")
+    before = _files(tmp_path)
+    assert main(["convert", str(ckpt), str(tmp_path / "file" / "sub" / "model.pt")]) == 2
+    assert f"error: writing {tmp_path / 'file' / 'sub' / 'model.pt'}: " in capsys.readouterr().out
+    assert _files(tmp_path) == before

@@ -120,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointError as err:
         print(f"error: {err}")
         return 2
+    except OSError as err:  # an output folder that cannot be created or written
+        print(f"error: writing {args.output_file}: {err.strerror or err}")
+        return 2
     numel = sum(t.numel() for t in checkpoint["state_dict"].values())
     print(f"wrote {args.output_file}: {len(checkpoint['state_dict'])} tensors, {numel:,} values (fp32)")
     return 0
