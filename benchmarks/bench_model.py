@@ -92,16 +92,14 @@ class ZeroSettings:
 
     Bucket sizes follow the Hugging Face rule (reduce/allgather bucket = hidden², ZeRO-3 prefetch =
     0.9·hidden², persistence threshold = 10·hidden) instead of Lightning's 2e8-element defaults, which
-    allocate ~400 MB per bucket whatever the model's size (see DESIGN.md section 5).
+    allocate ~400 MB per bucket whatever the model's size (see DESIGN.md section 5). The communication
+    settings are left to the strategy's device defaults: the configuration a user gets.
     """
 
     reduce_bucket_size: int
     allgather_bucket_size: int
     stage3_prefetch_bucket_size: int
     stage3_param_persistence_threshold: int
-    overlap_comm: bool = False  # no streams on CPU: nothing to overlap with
-    contiguous_gradients: bool = True
-    reduce_scatter: bool = True
 
     @classmethod
     def for_hidden(cls, hidden: int) -> "ZeroSettings":
@@ -118,23 +116,21 @@ def deepspeed_config(
     settings: ZeroSettings,
     offload_optimizer: bool = False,
     offload_parameters: bool = False,
-    multi_rank_bucket_allreduce: bool = True,
+    overrides: tuple[tuple[str, Any], ...] = (),
 ) -> dict[str, Any]:
-    """A DeepSpeed config dict; the strategy adds precision, accumulation and clipping."""
+    """A DeepSpeed config dict; the strategy adds precision, accumulation, clipping and the device's communication
+    defaults (overlap_comm, reduce_scatter, contiguous_gradients, use_multi_rank_bucket_allreduce) unless
+    ``overrides`` sets them."""
     s = asdict(settings)
     zero: dict[str, Any] = {
         "stage": stage,
-        "overlap_comm": s["overlap_comm"],
-        "contiguous_gradients": s["contiguous_gradients"],
-        "reduce_scatter": s["reduce_scatter"],
         "reduce_bucket_size": s["reduce_bucket_size"],
         "allgather_bucket_size": s["allgather_bucket_size"],
     }
     if stage == 3:
         zero["stage3_prefetch_bucket_size"] = s["stage3_prefetch_bucket_size"]
         zero["stage3_param_persistence_threshold"] = s["stage3_param_persistence_threshold"]
-    if not multi_rank_bucket_allreduce:
-        zero["use_multi_rank_bucket_allreduce"] = False
+    zero.update(overrides)
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     if offload_parameters:

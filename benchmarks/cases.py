@@ -10,8 +10,9 @@ class Arm:
     stage: int | None  # None: Lightning's DDPStrategy
     offload_optimizer: bool = False
     offload_parameters: bool = False
-    # DeepSpeed's default for ZeRO-1/2: all-reduce each gradient bucket (False: reduce to the owning rank)
-    multi_rank_bucket_allreduce: bool = True
+    # zero_optimization keys set in the config; every other communication setting is the device's default
+    # (lightning_gaudi_ds.devices: on CPU overlap_comm off, each gradient slice reduced to its owner)
+    zero: tuple[tuple[str, Any], ...] = ()
     label: str = ""
     short: str = ""  # for charts
 
@@ -25,8 +26,11 @@ ARMS: dict[str, Arm] = {
     "z2_offload": Arm(2, offload_optimizer=True, label="ZeRO-2 + offload optimizer", short="Z2\noffload"),
     "z3_offload": Arm(3, offload_optimizer=True, offload_parameters=True, label="ZeRO-3 + offload optimizer & params",
                       short="Z3\noffload"),
-    "z1_reduce": Arm(1, multi_rank_bucket_allreduce=False, label="ZeRO-1, reduce to owner", short="Z1\nreduce"),
-    "z2_reduce": Arm(2, multi_rank_bucket_allreduce=False, label="ZeRO-2, reduce to owner", short="Z2\nreduce"),
+    # DeepSpeed 0.19's own default for ZeRO-1/2: every gradient bucket all-reduced
+    "z1_allreduce": Arm(1, zero=(("use_multi_rank_bucket_allreduce", True),), label="ZeRO-1, all-reduce (DeepSpeed's"
+                        " default)", short="Z1\nall-reduce"),
+    "z2_allreduce": Arm(2, zero=(("use_multi_rank_bucket_allreduce", True),), label="ZeRO-2, all-reduce (DeepSpeed's"
+                        " default)", short="Z2\nall-reduce"),
 }
 
 

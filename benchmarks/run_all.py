@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 import time
@@ -26,9 +27,9 @@ from cases import Case  # noqa: E402
 from launch import run_one, run_ranks  # noqa: E402
 
 WORLD = 2
-SPEED_ARMS = ("ddp", "z0", "z1", "z2", "z3")
+SPEED_ARMS = ("ddp", "z0", "z1", "z2", "z3", "z2_offload", "z3_offload", "z1_allreduce", "z2_allreduce")
 SWEEP_ARMS = ("ddp", "z0", "z1", "z2", "z3")
-EXTRA_ARMS = ("z2_offload", "z3_offload", "z1_reduce", "z2_reduce")  # main size only
+EXTRA_ARMS = ("z2_offload", "z3_offload", "z1_allreduce", "z2_allreduce")  # main size only
 FP32_ARMS = ("ddp", "z0", "z1", "z2", "z3", "z2_offload", "z3_offload")
 MMAP_THRESHOLD = 64 * 1024
 
@@ -94,13 +95,26 @@ def plan(s: Settings) -> list[Case]:
                                   layers=s.main_layers, precision="32-true", batch_size=s.batch_size,
                                   steps=s.memory_steps, extra={"gc_check": True}))
     if s.speed:
+        arms = tuple(a for a in SPEED_ARMS if s.offload or "offload" not in a)
         for r in range(s.speed_rounds):
-            k = r % len(SPEED_ARMS)
-            for arm in SPEED_ARMS[k:] + SPEED_ARMS[:k]:  # rotate the order each round
+            k = r % len(arms)
+            for arm in arms[k:] + arms[:k]:  # rotate the order each round
                 cases.append(Case(id=f"speed_r{r}_{arm}", kind="speed", arm=arm, hidden=s.hidden,
                                   layers=s.main_layers, batch_size=s.batch_size,
                                   steps=s.speed_warmup + s.speed_measured + 1, warmup=s.speed_warmup, round=r))
     return cases
+
+
+def previous_cases(path: Path) -> dict[str, list[dict[str, Any]]]:
+    """The per-rank results of every case in a results.jsonl, by case id (rank order)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if row.get("type") == "case":
+            row.pop("type")
+            case_id = row.pop("id")
+            out.setdefault(case_id, []).append(row)
+    return out
 
 
 def prebuild_cpu_adam(log_dir: Path) -> dict[str, Any]:
@@ -128,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the second RSS sweep with glibc's mmap threshold pinned to 64 KiB")
     parser.add_argument("--timeout", type=float, default=3600, help="time-out of the whole job (s)")
     parser.add_argument("--no-readme", dest="no_readme", action="store_true", help="do not update benchmarks/README.md")
+    parser.add_argument("--cases", metavar="REGEX",
+                        help="run only the planned cases whose id matches; the report takes every other case from the"
+                             " last run's results.jsonl (its `case` lines), so a partial rerun keeps the full tables")
     parser.add_argument("--report-only", dest="report_only", action="store_true",
                         help="rebuild the report from the raw results of the last run (no training)")
     args = parser.parse_args(argv)
@@ -143,16 +160,27 @@ def main(argv: list[str] | None = None) -> int:
         failed = write_report(out, cases, saved["settings"], WORLD, saved["elapsed"], saved["build"], args.quick,
                               update_readme=not args.quick and not args.no_readme and args.out is None)
         return 1 if failed else 0
+    previous = out / "results.jsonl"
+    kept = previous_cases(previous) if args.cases and previous.exists() else {}
     if raw.exists():
         shutil.rmtree(raw)
     (raw / "cases").mkdir(parents=True)
     (raw / "rdv").mkdir()
     cases = plan(settings)
+    to_run = cases
+    if args.cases:
+        to_run = [c for c in cases if re.search(args.cases, c.id)]
+        for case in cases:
+            if case not in to_run:
+                for rank, row in enumerate(kept.get(case.id, [])):
+                    (raw / "cases" / f"{case.id}.rank{rank}.json").write_text(json.dumps(row))
+        print(f"--cases: running {len(to_run)} of {len(cases)} cases; {len(kept)} taken from {previous}", flush=True)
     (raw / "plan.json").write_text(json.dumps({"cases": [c.to_json() for c in cases]}, indent=1))
+    (raw / "run_plan.json").write_text(json.dumps({"cases": [c.to_json() for c in to_run]}, indent=1))
     started = time.time()
     build = prebuild_cpu_adam(raw) if settings.offload else None
-    print(f"running {len(cases)} cases on {WORLD} ranks; logs in {raw}", flush=True)
-    job = run_ranks([sys.executable, str(HERE / "worker.py"), "--plan", str(raw / "plan.json"), "--out",
+    print(f"running {len(to_run)} cases on {WORLD} ranks; logs in {raw}", flush=True)
+    job = run_ranks([sys.executable, str(HERE / "worker.py"), "--plan", str(raw / "run_plan.json"), "--out",
                      str(raw / "cases")], WORLD, raw, args.timeout,
                     {"BENCH_RDV_DIR": str(raw / "rdv"), "BENCH_ROOT_DIR": str(raw / "root")})
     elapsed = time.time() - started

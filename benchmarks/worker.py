@@ -73,7 +73,7 @@ def make_strategy(case: Case) -> Any:
 
         return DDPStrategy(process_group_backend="gloo")
     config = deepspeed_config(case.stage, ZeroSettings.for_hidden(case.hidden), case.offload_optimizer,
-                              case.offload_parameters, case.spec.multi_rank_bucket_allreduce)
+                              case.offload_parameters, case.spec.zero)
     config["train_micro_batch_size_per_gpu"] = case.batch_size
     return HPUDeepSpeedStrategy(stage=case.stage, config=config)
 
