@@ -248,7 +248,9 @@ def speed_rows(results: dict[str, CaseResult]) -> list[dict[str, Any]]:
                "cpu_overhead_rounds": _spread([tc / rc for tc, rc, _ in rounds.values()]),
                "trainer_cpu_median_s": statistics.median(d["tcpu"]) if d["tcpu"] else None,
                "cpu_phase_delta_ms": {p: 1e3 * (statistics.median(d["t_" + p]) - statistics.median(d["r_" + p]))
-                                      for p in ("forward", "backward", "step") if d.get("t_" + p) and d.get("r_" + p)}}
+                                      for p in ("forward", "backward", "step") if d.get("t_" + p) and d.get("r_" + p)},
+               "trainer_cpu_phase_ms": {p: 1e3 * statistics.median(d["t_" + p])
+                                        for p in ("forward", "backward", "step") if d.get("t_" + p)}}
         if arm != "ddp" and ddp_rounds:
             common = sorted(set(rounds) & set(ddp_rounds))
             row["cpu_vs_ddp_rounds"] = _spread([ddp_rounds[k][0] / rounds[k][0] for k in common])
@@ -419,7 +421,7 @@ def markdown(m: dict[str, Any], mem: list[dict[str, Any]], mem32: list[dict[str,
                   "", "Rank 0's step times, warm-up dropped, rounds interleaved; each Trainer step is followed by one"
                   " step of the hand-written loop (deepspeed.initialize, or torch DDP for the DDP row) in the same"
                   " processes.", "",
-                  "| arm | rounds × steps | Trainer CPU ms/step | CPU time Trainer ÷ raw: median (min-max of rounds)"
+                  "| arm | rounds × steps | Trainer CPU ms/step: fwd / bwd / step | CPU time Trainer ÷ raw: median (min-max of rounds)"
                   " | CPU ms Trainer − raw: fwd / bwd / step | samples per CPU-s ÷ DDP: median (min-max) |"
                   " wall: Trainer ÷ raw | wall: samples/s ÷ DDP, median (min-max) |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -431,7 +433,9 @@ def markdown(m: dict[str, Any], mem: list[dict[str, Any]], mem32: list[dict[str,
             co, vd, wd = r.get("cpu_overhead_rounds") or {}, r.get("cpu_vs_ddp_rounds") or {}, \
                 r.get("wall_vs_ddp_rounds") or {}
             lines.append(f"| {ARMS[r['arm']].label} | {r.get('rounds', '–')} × {r['steps'] // max(r.get('rounds') or 1, 1)}"
-                         f" | {_f((r.get('trainer_cpu_median_s') or 0) * 1e3, 0)} | {_f(r.get('cpu_overhead'), 3)} {tgt}"
+                         f" | {_f((r.get('trainer_cpu_median_s') or 0) * 1e3, 0)}: "
+                         f"{' / '.join(f'{v:.0f}' for v in r.get('trainer_cpu_phase_ms', {}).values())}"
+                         f" | {_f(r.get('cpu_overhead'), 3)} {tgt}"
                          f" ({_f(co.get('min'), 3)}-{_f(co.get('max'), 3)}) | "
                          f"{' / '.join(f'{v:+.1f}' for v in r.get('cpu_phase_delta_ms', {}).values())} | "
                          + (f"{_f(vd.get('median'))} ({_f(vd.get('min'))}-{_f(vd.get('max'))})" if vd else "–")

@@ -268,7 +268,12 @@ class RawArm:
             with deepspeed.zero.Init(config_dict_or_path=config, enabled=case.stage == 3):
                 torch.manual_seed(SEED)
                 net = build_net(size)
-            optimizer = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+            if case.offload_optimizer:  # what the strategy turns AdamW into under ZeRO-Offload (DeepSpeed refuses it)
+                from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+                optimizer: Any = DeepSpeedCPUAdam(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=True)
+            else:
+                optimizer = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
             self.engine, _, _, _ = deepspeed.initialize(
                 model=net, optimizer=optimizer, model_parameters=list(net.parameters()), config=config,
                 dist_init_required=False,
