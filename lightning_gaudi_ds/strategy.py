@@ -77,7 +77,7 @@ from lightning_gaudi_ds.devices import (
     hpu_available,
     validate_precision,
 )
-from lightning_gaudi_ds.engine import inference, train
+from lightning_gaudi_ds.engine import checkpointing, inference, train
 from lightning_gaudi_ds.engine.device import DeviceRuntime, hccl_reduce_input
 from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV, prepare_startup
 from lightning_gaudi_ds.launch.environments import check_launcher_world_size, resolve_environment
@@ -215,7 +215,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             auto.mark_pending(self.config, config is not None, self._resolver.source)
         self._check_offload(explicit, offload_parameters)
         if number_checkpoints is not None:
-            self._set_number_checkpoints(number_checkpoints)
+            assert isinstance(self.config, dict)
+            checkpointing.set_number_checkpoints(self.config, number_checkpoints)
         self._runtime = DeviceRuntime(requested_mode=hpu_mode, requested_compile=torch_compile)
         self.chosen_configuration: dict[str, Any] | None = None  # stage="auto": what setup chose
         self._inference = inference.settings_from(
@@ -254,16 +255,6 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     def hpu_mode(self) -> hpu.Mode | None:
         """The Gaudi execution mode in force, once the Trainer chose an HPU."""
         return self._runtime.mode
-
-    def _set_number_checkpoints(self, count: int) -> None:
-        assert isinstance(self.config, dict)
-        section = self.config.setdefault("activation_checkpointing", {})
-        if section.setdefault("number_checkpoints", count) != count:
-            raise ConfigError(
-                f"HPUDeepSpeedStrategy(number_checkpoints={count}) and the DeepSpeed config's"
-                f" activation_checkpointing.number_checkpoints={section['number_checkpoints']!r} disagree; remove"
-                " one of them."
-            )
 
     # ----------------------------------------------------------------------------------------- set-up
     @property
@@ -483,23 +474,9 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def _set_deepspeed_activation_checkpointing(self) -> None:
-        # A copy of Lightning 2.6.6's DeepSpeedStrategy._set_deepspeed_activation_checkpointing that also passes
-        # the number of checkpoints (contiguous_memory_optimization asserts without it) and
-        # synchronize_checkpoint_boundary, which Lightning's version drops.
-        import deepspeed
-
+        # Lightning's version drops the number of checkpoints and synchronize_checkpoint_boundary.
         assert isinstance(self.config, dict)
-        if self.config.get("activation_checkpointing"):
-            checkpoint_config = self.config["activation_checkpointing"]
-            deepspeed.checkpointing.configure(
-                mpu_=None,
-                partition_activations=checkpoint_config.get("partition_activations"),
-                contiguous_checkpointing=checkpoint_config.get("contiguous_memory_optimization"),
-                num_checkpoints=checkpoint_config.get("number_checkpoints"),
-                checkpoint_in_cpu=checkpoint_config.get("cpu_checkpointing"),
-                synchronize=checkpoint_config.get("synchronize_checkpoint_boundary"),
-                profile=checkpoint_config.get("profile"),
-            )
+        checkpointing.configure(self.config)
 
     def _client_optimizer_and_scheduler(self) -> tuple[Optimizer | None, LRSchedulerConfig | None]:
         assert isinstance(self.config, dict)
@@ -557,18 +534,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         with _third_party_deprecations_silenced():
             output = step(*args, **kwargs)
         self._graph_break()
-        if self._contiguous_checkpointing:
-            # Contiguous checkpoint buffers are emptied by the backward pass; a forward without one (evaluation)
-            # would overrun them after `number_checkpoints` calls. DeepSpeed's documented remedy.
-            import deepspeed
-
-            deepspeed.checkpointing.reset()
+        checkpointing.reset_after_forward(self.config)
         return output
-
-    @property
-    def _contiguous_checkpointing(self) -> bool:
-        section = self.config.get("activation_checkpointing") if isinstance(self.config, dict) else None
-        return isinstance(section, dict) and bool(section.get("contiguous_memory_optimization"))
 
     def _graph_break(self) -> None:
         self._runtime.graph_break()
