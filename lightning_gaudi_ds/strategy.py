@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import logging
 import os
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -30,7 +29,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
@@ -48,10 +46,8 @@ from lightning_gaudi_ds._compat import (
     _StrategyRegistry,
     _validate_device_index_selection,
     attached_trainer,
-    remove_module_hooks,
     reset_zero3_trace_at_outer_forward_only,
     set_deepspeed_accelerator,
-    set_process_group_timeout,
     train_dataloaders,
 )
 from lightning_gaudi_ds.config import (
@@ -60,17 +56,15 @@ from lightning_gaudi_ds.config import (
     ConfigResolver,
     Resolved,
     check_activation_checkpointing,
-    check_nvme,
     explicit_arguments,
     hidden_size,
     load_config,
     mark_model_buckets,
     offloads_optimizer,
     shared_batch_size,
-    strategy_arg_values,
     write_resolved,
 )
-from lightning_gaudi_ds.config.keys import get as get_key
+from lightning_gaudi_ds.config.validate import check_offload, check_trainer_flags
 from lightning_gaudi_ds.devices import (
     DeviceSpec,
     device_spec,
@@ -81,7 +75,7 @@ from lightning_gaudi_ds.engine import checkpointing, inference, train
 from lightning_gaudi_ds.engine.device import DeviceRuntime, hccl_reduce_input
 from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV, prepare_startup
 from lightning_gaudi_ds.launch.environments import check_launcher_world_size, resolve_environment
-from lightning_gaudi_ds.launch.rendezvous import announce_wait, rendezvous_timeout, timed_out_message
+from lightning_gaudi_ds.launch.rendezvous import bounded_rendezvous, rendezvous_timeout, waiting_message
 from lightning_gaudi_ds.planning import auto
 from lightning_gaudi_ds.planning.auto import AUTO, AutoStage
 
@@ -213,7 +207,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         if self._auto is not None:
             assert isinstance(self.config, dict)
             auto.mark_pending(self.config, config is not None, self._resolver.source)
-        self._check_offload(explicit, offload_parameters)
+        assert isinstance(self.config, dict)
+        check_offload(self.config, explicit, offload_parameters, self._resolver.source)
         if number_checkpoints is not None:
             assert isinstance(self.config, dict)
             checkpointing.set_number_checkpoints(self.config, number_checkpoints)
@@ -228,23 +223,6 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             zero_args = {**self._resolver.explicit_args, **({"stage": AUTO} if self._auto is not None else {})}
             inference.check_zero_options(self._inference, zero_args, self.config)
         self._inference_dtype: torch.dtype | None = None
-
-    def _check_offload(self, explicit: dict[str, Any], offload_parameters: bool) -> None:
-        """What the config and the offload arguments add up to, refused at construction where DeepSpeed would train
-        without offloading (parameters below stage 3) or fail minutes in (NVMe without a usable path or libaio)."""
-        assert isinstance(self.config, dict)
-        source = self._resolver.source
-        if offload_parameters and source is not None:
-            stage = get_key(self.config, "zero_optimization.stage", None)
-            stage = explicit.get("stage", 0) if stage is None else stage
-            if stage != AUTO and stage != 3:
-                raise ConfigError(
-                    f"`HPUDeepSpeedStrategy(offload_parameters=True)` with the DeepSpeed config ({source}) at ZeRO"
-                    f" stage {stage}: parameter offload needs stage 3, and stage {stage} would train without"
-                    " offloading anything. Set the config's zero_optimization.stage to 3, or use"
-                    " offload_optimizer=True alone."
-                )
-        check_nvme(self.config, strategy_arg_values(explicit) if source is not None else {}, source)
 
     @property
     def torch_compile(self) -> bool:
@@ -335,22 +313,15 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         full = self._timeout if self._timeout is not None else default_pg_timeout
         env = self.cluster_environment
         assert env is not None
-        what = (f"rank {self.global_rank} waits for {self.world_size} processes (Trainer(num_nodes={self.num_nodes}) x"
-                f" {self.num_processes} per node) to meet at {env.main_address}:{env.main_port}")
-        self._timeout = min(full, timedelta(seconds=limit))
-        start = time.monotonic()
-        try:
-            # Announced across nodes only: on one node the other ranks are starting (imports take seconds).
-            with announce_wait(what, limit, enabled=self.local_rank == 0 and self.num_nodes > 1):
-                super()._init_deepspeed_distributed()
-        except (RuntimeError, TimeoutError) as err:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
-            if time.monotonic() - start < 0.9 * self._timeout.total_seconds():
-                raise
-            raise RuntimeError(timed_out_message(what, limit, err)) from err
-        finally:
-            bounded, self._timeout = self._timeout, full
-        if full > bounded and torch.distributed.is_initialized():
-            set_process_group_timeout(full)
+        what = waiting_message(self.global_rank, self.world_size, self.num_nodes, self.num_processes,
+                               env.main_address, env.main_port)
+
+        def set_timeout(timeout: timedelta) -> None:
+            self._timeout = timeout
+
+        # Announced across nodes only: on one node the other ranks are starting (imports take seconds).
+        bounded_rendezvous(super()._init_deepspeed_distributed, what, full, set_timeout, limit=limit,
+                           announce=self.local_rank == 0 and self.num_nodes > 1)
 
     def _validate_device_indices(self) -> None:
         # Lightning's check, wherever devices have an index (CUDA; HPU and CPU devices have none): DeepSpeed takes
@@ -372,17 +343,10 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     def _validate_trainer_flags(self) -> None:
         """Trainer settings DeepSpeed cannot honour, reported before the process group starts."""
         trainer = attached_trainer(self.lightning_module)
-        if self._inference is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            raise MisconfigurationException(
-                "HPUDeepSpeedStrategy(tensor_parallel=..., dtype=..., ...) serves a model with DeepSpeed's inference"
-                " engine: trainer.predict, trainer.validate and trainer.test. Train with a strategy without these"
-                " arguments (e.g. HPUDeepSpeedStrategy(stage=3)), then serve its checkpoint with `ckpt_path=`."
-            )
-        if trainer is not None and trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-            raise ConfigError(
-                "DeepSpeed does not support clipping gradients by value (`Trainer(gradient_clip_algorithm='value')`);"
-                f" it clips by norm only. Use `Trainer(gradient_clip_val={trainer.gradient_clip_val},"
-                " gradient_clip_algorithm='norm')`."
+        if trainer is not None:
+            check_trainer_flags(
+                serving=self._inference is not None, fitting=trainer.state.fn == TrainerFn.FITTING,
+                gradient_clip_algorithm=trainer.gradient_clip_algorithm, gradient_clip_val=trainer.gradient_clip_val,
             )
 
     @override
@@ -427,30 +391,9 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             device = self.device_spec.device_type
             self.model = inference.init_engine(model, self._inference, self._inference_dtype, device, self.world_size)
             return
-        # A copy of Lightning 2.6.6's DeepSpeedStrategy._initialize_deepspeed_inference with two changes: the
-        # device rank comes from _deepspeed_args (CPU and HPU devices have no index), and a ZeRO-3 config without
-        # `zero_allow_untested_optimizer` gets True rather than a KeyError.
-        import deepspeed
-
         assert isinstance(self.config, dict)
-        inference_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
-        for key in ("fp16", "bf16"):
-            if key in self.config:
-                inference_config[key] = self.config[key]
-        if self.zero_stage_3:
-            inference_config["zero_allow_untested_optimizer"] = self.config.get("zero_allow_untested_optimizer", True)
-            inference_config["zero_optimization"] = self.config["zero_optimization"]
-        remove_module_hooks(model)
-        self.model, _, _, _ = deepspeed.initialize(
-            args=self._deepspeed_args(),
-            config=inference_config,
-            model=model,
-            optimizer=None,
-            lr_scheduler=None,
-            model_parameters=[],
-            dist_init_required=False,
-        )
-        reset_zero3_trace_at_outer_forward_only(self.model)
+        self.model = inference.init_zero_engine(model, self.config, self._deepspeed_args(),
+                                                zero_stage_3=self.zero_stage_3)
 
     @override
     def _initialize_deepspeed_train(self, model: Module) -> None:

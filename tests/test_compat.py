@@ -46,7 +46,7 @@ def _attr(module: str, name: str, library: str, used_by: str) -> Any:
         ("lightning.pytorch.core.optimizer", "_init_optimizers_and_lr_schedulers",
          "HPUDeepSpeedStrategy._init_optimizers"),
         ("lightning.pytorch.strategies.deepspeed", "remove_module_hooks",
-         "HPUDeepSpeedStrategy._initialize_deepspeed_inference"),
+         "engine.inference.init_zero_engine"),
         ("lightning.fabric.strategies.deepspeed", "_validate_device_index_selection",
          "HPUDeepSpeedStrategy._validate_device_indices (CUDA devices=[1] refused)"),
     ],

@@ -1,4 +1,5 @@
-"""Tensor-parallel inference with DeepSpeed's inference engine (``deepspeed.init_inference``).
+"""Inference engines: tensor parallelism with DeepSpeed's inference engine (``deepspeed.init_inference``), and
+the optimizer-less ZeRO engine Lightning evaluates with otherwise (:func:`init_zero_engine`).
 
 ``trainer.predict`` / ``validate`` / ``test`` with ``HPUDeepSpeedStrategy(tensor_parallel={"tp_size": N})``: the
 module's large matrices are split across N ranks (DeepSpeed's AutoTP for model families it knows, such as Hugging
@@ -23,7 +24,13 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.nn import Module
 
-from lightning_gaudi_ds._compat import autotp_parse, lm_head_allreduce, tensor_parallel_layer_class
+from lightning_gaudi_ds._compat import (
+    autotp_parse,
+    lm_head_allreduce,
+    remove_module_hooks,
+    reset_zero3_trace_at_outer_forward_only,
+    tensor_parallel_layer_class,
+)
 
 #: Keyword arguments of ``HPUDeepSpeedStrategy`` (and keys of its config dict) that select DeepSpeed's inference
 #: engine, as lightning-habana named them.
@@ -434,6 +441,37 @@ def init_engine(
         from lightning_gaudi_ds import hpu
 
         engine.module = hpu.wrap_in_hpu_graph(engine.module)
+    return engine
+
+
+def init_zero_engine(model: Module, config: Mapping[str, Any], args: Any, *, zero_stage_3: bool) -> Any:
+    """A DeepSpeed engine without optimizer for ``validate``/``test``/``predict`` (no tensor parallelism): the
+    config's precision block and, at ZeRO-3, its partitioning; returns the engine.
+
+    Lightning 2.6.6's ``DeepSpeedStrategy._initialize_deepspeed_inference`` with two changes: ``args`` carries the
+    device rank (CPU and HPU devices have no index), and a ZeRO-3 config without ``zero_allow_untested_optimizer``
+    gets True rather than a KeyError.
+    """
+    import deepspeed
+
+    inference_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
+    for key in ("fp16", "bf16"):
+        if key in config:
+            inference_config[key] = config[key]
+    if zero_stage_3:
+        inference_config["zero_allow_untested_optimizer"] = config.get("zero_allow_untested_optimizer", True)
+        inference_config["zero_optimization"] = config["zero_optimization"]
+    remove_module_hooks(model)
+    engine, _, _, _ = deepspeed.initialize(
+        args=args,
+        config=inference_config,
+        model=model,
+        optimizer=None,
+        lr_scheduler=None,
+        model_parameters=[],
+        dist_init_required=False,
+    )
+    reset_zero3_trace_at_outer_forward_only(engine)
     return engine
 
 

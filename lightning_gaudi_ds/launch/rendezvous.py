@@ -8,8 +8,9 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from datetime import timedelta
 
 from lightning_gaudi_ds.launch._proc import say
 
@@ -70,3 +71,38 @@ def timed_out_message(what: str, timeout: float, error: BaseException) -> str:
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return (f"The ranks did not meet within {timeout:g} s: {what}, and not every rank joined ({first}). {HOW_TO_START}"
             f" To wait longer, set {TIMEOUT_ENV}=<seconds>.")
+
+
+def waiting_message(global_rank: int, world_size: int, num_nodes: int, num_processes: int, address: str,
+                    port: int) -> str:
+    """What a rank waits for while the process group forms (said while it waits, and in the time-out error)."""
+    return (f"rank {global_rank} waits for {world_size} processes (Trainer(num_nodes={num_nodes}) x"
+            f" {num_processes} per node) to meet at {address}:{port}")
+
+
+def bounded_rendezvous(
+    init: Callable[[], None], what: str, full: timedelta, set_timeout: Callable[[timedelta], None], *,
+    limit: float, announce: bool,
+) -> None:
+    """Run ``init`` (which forms the process group with the timeout last given to ``set_timeout``) with the timeout
+    bounded by ``limit`` seconds, announcing ``what`` while it waits when ``announce``; a rendezvous that runs out
+    of time is a ``RuntimeError`` saying how multi-node runs start. Once the group has formed, its own timeout
+    (``full``) applies again."""
+    import torch
+
+    from lightning_gaudi_ds._compat import set_process_group_timeout
+
+    bounded = min(full, timedelta(seconds=limit))
+    set_timeout(bounded)
+    start = time.monotonic()
+    try:
+        with announce_wait(what, limit, enabled=announce):
+            init()
+    except (RuntimeError, TimeoutError) as err:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
+        if time.monotonic() - start < 0.9 * bounded.total_seconds():
+            raise
+        raise RuntimeError(timed_out_message(what, limit, err)) from err
+    finally:
+        set_timeout(full)
+    if full > bounded and torch.distributed.is_initialized():
+        set_process_group_timeout(full)
