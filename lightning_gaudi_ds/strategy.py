@@ -54,15 +54,14 @@ from lightning_gaudi_ds.config import (
     AutoContext,
     ConfigError,
     ConfigResolver,
-    Resolved,
     check_activation_checkpointing,
     explicit_arguments,
     hidden_size,
     load_config,
     mark_model_buckets,
     offloads_optimizer,
+    publish_resolved,
     shared_batch_size,
-    write_resolved,
 )
 from lightning_gaudi_ds.config.validate import check_offload, check_trainer_flags
 from lightning_gaudi_ds.devices import (
@@ -602,18 +601,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         trainer = attached_trainer(self.lightning_module)
         pending = self._resolver.take_unpublished() if trainer is not None else None
         if trainer is not None and pending is not None:
-            self._publish_config(*pending, trainer)
-
-    def _publish_config(self, resolved: Resolved, hints: list[str], trainer: pl.Trainer) -> None:
-        """Log the resolved config once (rank 0) and write it next to the run's logs, to reproduce the run."""
-        log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank calls it
-        if self.is_global_zero:
-            path = write_resolved(resolved, log_dir)
-            # One line per fact; the whole config stays in the file (it can be megabytes).
-            filled = "".join(f"\n  {line}" for line in resolved.filled) or " nothing"
-            rank_zero_info(f"DeepSpeed config resolved (written to {path}); filled:{filled}")
-            for hint in hints:
-                rank_zero_info(hint)
+            log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank calls it
+            publish_resolved(*pending, log_dir, rank_zero=self.is_global_zero)
 
     # ------------------------------------------------ external launchers (torchrun, deepspeed, mpirun)
     @override

@@ -472,3 +472,16 @@ def _is_default(value: Any, default: Any) -> bool:
         return type(value) is type(default) and bool(value == default)
     except Exception:  # noqa: BLE001  (an exotic __eq__: count the argument as set)
         return False
+
+
+def publish_resolved(resolved: Resolved, hints: list[str], log_dir: str | Path, *, rank_zero: bool) -> None:
+    """Log the resolved config once (``rank_zero``: on rank 0) and write it into ``log_dir``, to reproduce the run."""
+    if rank_zero:
+        from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+        path = write_resolved(resolved, log_dir)
+        # One line per fact; the whole config stays in the file (it can be megabytes).
+        filled = "".join(f"\n  {line}" for line in resolved.filled) or " nothing"
+        rank_zero_info(f"DeepSpeed config resolved (written to {path}); filled:{filled}")
+        for hint in hints:
+            rank_zero_info(hint)
