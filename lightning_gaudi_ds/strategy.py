@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import os
 import warnings
@@ -675,20 +676,13 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             return inference.load_full_state_dict(self.broadcast(str(checkpoint_path)))
         if self.load_full_weights and self.zero_stage_3:
             return super().load_checkpoint(checkpoint_path, weights_only)
-        info = ckpt.validate_checkpoint(checkpoint_path, zero_stage=self.zero_stage)
-        module = self.lightning_module
-        trainer = attached_trainer(module)
-        if self.zero_stage_3 and module is not None and trainer is not None and trainer.state.fn != TrainerFn.FITTING:
-            # DeepSpeed's loader ends by restoring an optimizer's fp32 partitions from the weights, which an
-            # evaluation engine has none of ("'DeepSpeedZeRoOffload' object has no attribute
-            # '_restore_from_bit16_weights'"): load the merged weights instead, from any number of ranks.
-            return ckpt.load_fp32_weights(info, self, module, strict=module.strict_loading)
-        if info.world_size == self.world_size or info.zero_stage == 0:  # stage 0: DeepSpeed's own loader
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        assert module is not None
-        fitting = module.trainer.state.fn == TrainerFn.FITTING
-        return ckpt.load_resharded(info, self, self.deepspeed_engine, module, fitting=fitting,
-                                   strict=module.strict_loading)
+        zero_stage = self.zero_stage
+        trainer = attached_trainer(self.lightning_module)
+        return ckpt.load_checkpoint(
+            checkpoint_path, self, zero_stage=zero_stage, module=self.lightning_module,
+            fitting=None if trainer is None else trainer.state.fn == TrainerFn.FITTING, engine=self.deepspeed_engine,
+            deepspeed_load=functools.partial(super().load_checkpoint, checkpoint_path, weights_only),
+        )
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:

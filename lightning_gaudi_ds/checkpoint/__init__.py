@@ -18,7 +18,13 @@ from lightning_gaudi_ds.checkpoint.io import (
     remove_checkpoint,
     validate_checkpoint,
 )
-from lightning_gaudi_ds.checkpoint.reshard import UNIVERSAL, load_fp32_weights, load_resharded, universal_checkpoint
+from lightning_gaudi_ds.checkpoint.reshard import (
+    UNIVERSAL,
+    load_checkpoint,
+    load_fp32_weights,
+    load_resharded,
+    universal_checkpoint,
+)
 
 __all__ = [
     "MANIFEST",
@@ -30,6 +36,7 @@ __all__ = [
     "NotACheckpointError",
     "commit_save",
     "convert_zero_checkpoint_to_fp32_state_dict",
+    "load_checkpoint",
     "load_fp32_weights",
     "load_resharded",
     "on_rank_zero",

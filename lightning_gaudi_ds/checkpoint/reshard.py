@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.nn import Module
@@ -21,10 +22,15 @@ from lightning_gaudi_ds.checkpoint.io import (
     PARTIAL,
     CheckpointError,
     CheckpointInfo,
+    PathLike,
     RankZeroComm,
     _rmtree,
     on_rank_zero,
+    validate_checkpoint,
 )
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule
 
 log = logging.getLogger(__name__)
 
@@ -109,3 +115,32 @@ def load_fp32_weights(info: CheckpointInfo, comm: RankZeroComm, module: Module, 
             module.load_state_dict(state_dict, strict=strict)
     model_file = sorted(info.tag_dir.glob("*model_states.pt"))[0]
     return torch.load(model_file, map_location="cpu", weights_only=False)
+
+
+def load_checkpoint(
+    path: PathLike, comm: ReshardComm, *, zero_stage: int, module: LightningModule | None, fitting: bool | None,
+    engine: Any, deepspeed_load: Callable[[], dict[str, Any]],
+) -> dict[str, Any]:
+    """Validate the ZeRO checkpoint at ``path`` against the running ``zero_stage``, then load it the way the run
+    allows; returns the client (Lightning) state.
+
+    An evaluation engine at ZeRO-3 (``fitting`` False) gets the merged fp32 weights: DeepSpeed's loader ends by
+    restoring an optimizer's fp32 partitions from the weights, which an evaluation engine has none of
+    ("'DeepSpeedZeRoOffload' object has no attribute '_restore_from_bit16_weights'"). The same world size (or
+    stage 0) goes through ``deepspeed_load``, DeepSpeed's own loader; another world size is resharded.
+
+    Args:
+        comm: the running job (world size, rank 0, broadcast).
+        module: the LightningModule, if any.
+        fitting: whether the attached Trainer fits; None when no Trainer is attached.
+        engine: the DeepSpeed engine built for this run.
+    """
+    info = validate_checkpoint(path, zero_stage=zero_stage)
+    if zero_stage == 3 and module is not None and fitting is False:
+        return load_fp32_weights(info, comm, module, strict=module.strict_loading)
+    if info.world_size == comm.world_size or info.zero_stage == 0:
+        return deepspeed_load()
+    assert module is not None
+    if fitting is None:  # no Trainer attached: Lightning's own error
+        fitting = module.trainer.state.fn == "fit"
+    return load_resharded(info, comm, engine, module, fitting=fitting, strict=module.strict_loading)
