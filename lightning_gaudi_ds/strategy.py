@@ -636,14 +636,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:  # Lightning's own error
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        final = self.broadcast(str(filepath))
-        staging = ckpt.partial_path(final)
-        ckpt.on_rank_zero(self, f"Preparing {staging}", lambda: ckpt.prepare_save(final))
-        super().save_checkpoint(checkpoint, str(staging))
-        self.barrier("lightning_gaudi_ds.save_checkpoint.written")  # every rank has written its shard
-        weights_only = "lr_schedulers" not in checkpoint
-        ckpt.on_rank_zero(self, f"Committing checkpoint {final}", lambda: ckpt.commit_save(
-            staging, final, self.zero_stage, self.world_size, weights_only))
+        ckpt.save(checkpoint, filepath, self, functools.partial(super().save_checkpoint, checkpoint),
+                  lambda: self.zero_stage)
 
     # ------------------------------------------ tensor-parallel inference (lightning_gaudi_ds.engine.inference)
     @property

@@ -16,6 +16,7 @@ from lightning_gaudi_ds.checkpoint.io import (
     partial_path,
     prepare_save,
     remove_checkpoint,
+    save,
     validate_checkpoint,
 )
 from lightning_gaudi_ds.checkpoint.reshard import (
@@ -43,6 +44,7 @@ __all__ = [
     "partial_path",
     "prepare_save",
     "remove_checkpoint",
+    "save",
     "universal_checkpoint",
     "validate_checkpoint",
 ]

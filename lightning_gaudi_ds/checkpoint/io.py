@@ -16,7 +16,7 @@ import os
 import shutil
 import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -407,3 +407,31 @@ def on_rank_zero(comm: RankZeroComm, what: str, fn: Callable[[], object]) -> Non
         raise failure
     if message is not None:
         raise CheckpointError(f"{what} failed on rank 0: {message}")
+
+
+class SaveComm(RankZeroComm, Protocol):
+    """What :func:`save` needs from the running job (Lightning's strategies have it all)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def barrier(self, name: str | None = None) -> None: ...
+
+
+def save(
+    checkpoint: Mapping[str, Any], filepath: PathLike, comm: SaveComm, write: Callable[[str], object],
+    zero_stage: Callable[[], int],
+) -> None:
+    """Crash-safe save: every rank writes its shard with ``write`` into ``<name>.partial``; rank 0 adds the manifest
+    and renames it into place only after every rank wrote, so ``<name>`` is always complete.
+
+    ``zero_stage`` is read on rank 0 when the checkpoint is committed.
+    """
+    final = comm.broadcast(str(filepath))
+    staging = partial_path(final)
+    on_rank_zero(comm, f"Preparing {staging}", lambda: prepare_save(final))
+    write(str(staging))
+    comm.barrier("lightning_gaudi_ds.save_checkpoint.written")  # every rank has written its shard
+    weights_only = "lr_schedulers" not in checkpoint
+    on_rank_zero(comm, f"Committing checkpoint {final}", lambda: commit_save(
+        staging, final, zero_stage(), comm.world_size, weights_only))
