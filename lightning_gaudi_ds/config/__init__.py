@@ -5,6 +5,7 @@ or knows the strategy.
 - :mod:`.resolve`: fill every ``"auto"`` from the facts the strategy gathers (:class:`AutoContext`), one function
   per config section; :class:`ConfigResolver` keeps a strategy's config across Trainer calls.
 - :mod:`.sizing`: the model's hidden size and the bucket sizes it implies.
+- :mod:`.validate`: offload arguments against the config, Trainer flags DeepSpeed cannot honour.
 
 DeepSpeed's config schema is read inside the functions that need it: importing DeepSpeed selects its global
 accelerator, which the strategy does only once the Trainer has chosen the device.
