@@ -31,6 +31,11 @@ Bytes sent per rank per step assume ring collectives (NCCL, HCCL): an all-reduce
 2M(N-1)/N, a reduce-scatter or all-gather M(N-1)/N. ZeRO-0 all-reduces gradients; ZeRO-1/2 all-reduce the
 gradient buckets (DeepSpeed's default ``use_multi_rank_bucket_allreduce``) and all-gather the updated
 parameters; ZeRO-3 all-gathers parameters in forward and again in backward and reduce-scatters gradients.
+ZeRO-1/2 reduce each gradient slice to its owner instead of all-reducing it where the config says so
+(``reduce_scatter`` on, ``use_multi_rank_bucket_allreduce`` off: the strategy's CPU and CUDA default), which
+sends 2M(N-1)/N in all, as DDP does. ZeRO-3 and the offload paths are upper bounds: DeepSpeed keeps gathered
+parameters through backward while they are within ``stage3_max_reuse_distance``, and ZeRO-Offload's gradient
+path may reduce to the owner too.
 """
 
 from __future__ import annotations
@@ -98,6 +103,7 @@ class Buckets:
     stage3_max_live_parameters: int = DS_MAX_LIVE_PARAMETERS
     overlap_comm: bool = True
     pin_memory: bool = False
+    reduce_to_owner: bool = True  # ZeRO-1/2 gradients: reduce to the owning rank (else all-reduce each bucket)
 
     @classmethod
     def for_model(cls, hidden_size: int | None, zero_config: Mapping[str, Any] | None = None) -> Buckets:
@@ -114,6 +120,11 @@ class Buckets:
             pin = ((zero_config or {}).get(key) or {}).get("pin_memory")
             if isinstance(pin, bool):
                 values["pin_memory"] = pin
+        zero = zero_config or {}
+        # An unset key takes the strategy's device default (reduce to the owner on CPU and CUDA).
+        values["reduce_to_owner"] = not (
+            zero.get("reduce_scatter") is False or zero.get("use_multi_rank_bucket_allreduce") is True
+        )
         return cls(**values)
 
 
@@ -282,15 +293,18 @@ def paper_split(stage: int, precision: str, world_size: int, offload_parameters:
     return device, total - device
 
 
-def comm_bytes_per_param(stage: int, precision: str, world_size: int) -> float:
-    """Bytes one rank sends per trainable parameter per optimizer step (ring collectives)."""
+def comm_bytes_per_param(
+    stage: int, precision: str, world_size: int, reduce_to_owner: bool = True, offload_optimizer: bool = False
+) -> float:
+    """Bytes one rank sends per trainable parameter per optimizer step (ring collectives); for ZeRO-3 and
+    ZeRO-Offload an upper bound (see the module docstring)."""
     if world_size <= 1:
         return 0.0
     p, f = bytes_per_param(precision), (world_size - 1) / world_size
     if stage == 0:
         return 2 * f * p
     if stage in (1, 2):
-        return 2 * f * p + f * p
+        return (2 if reduce_to_owner and not offload_optimizer else 3) * f * p
     return 3 * f * p
 
 
@@ -364,6 +378,7 @@ def plan_memory(
         backward_peak = dev_states - step_only + transient + (activation_bytes or 0)
         step_peak = dev_states + temporaries
         device_bytes = max(backward_peak, step_peak)
+        comm_per_param = comm_bytes_per_param(stage, precision, world, buckets.reduce_to_owner, off_opt)
         host_node = host_states * devices
         fits_dev = None if dev_mem is None else device_bytes <= dev_mem * (1 - headroom)
         fits_host = None if host_mem is None else host_node <= host_mem * (1 - headroom)
@@ -374,7 +389,7 @@ def plan_memory(
             model_state_bytes=dev_states + host_states, device_model_state_bytes=dev_states,
             host_bytes_per_rank=host_states, transient_bytes=transient, activation_bytes=activation_bytes,
             step_temporary_bytes=temporaries, backward_peak_bytes=backward_peak, step_peak_bytes=step_peak,
-            comm_bytes=int(round(comm_bytes_per_param(stage, precision, world) * psi)),
+            comm_bytes=int(round(comm_per_param * psi)),
             device_parts=dev_parts, host_parts=host_parts, label=label(stage, off_opt, off_par),
         ).to_dict())
     for row in rows:
