@@ -31,6 +31,11 @@ ARMS: dict[str, Arm] = {
                         " default)", short="Z1\nall-reduce"),
     "z2_allreduce": Arm(2, zero=(("use_multi_rank_bucket_allreduce", True),), label="ZeRO-2, all-reduce (DeepSpeed's"
                         " default)", short="Z2\nall-reduce"),
+    # The CPU defaults of issue 16 item 3, each switched the other way (lightning_gaudi_ds.devices)
+    "z2_overlap": Arm(2, zero=(("overlap_comm", True),), label="ZeRO-2, overlap_comm on", short="Z2\noverlap"),
+    "z2_nocontig": Arm(2, zero=(("contiguous_gradients", False),), label="ZeRO-2, contiguous_gradients off",
+                       short="Z2\nnon-contig"),
+    "z3_overlap": Arm(3, zero=(("overlap_comm", True),), label="ZeRO-3, overlap_comm on", short="Z3\noverlap"),
 }
 
 

@@ -22,10 +22,10 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.cli import LightningCLI
 from torch.utils.data import DataLoader
 from train_lm import ByteTokenizer, LitGPT
 
+from lightning_gaudi_ds import LightningCLI  # Lightning's, with clear errors for --trainer.strategy/precision
 from lightning_gaudi_ds.engine.inference import checkpoint_hparams
 
 

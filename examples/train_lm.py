@@ -26,12 +26,12 @@ from typing import Any, Optional
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
-from lightning.pytorch.cli import LightningCLI
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_gaudi_ds  # noqa: F401  (registers the hpu_deepspeed* strategy names and the "hpu" accelerator)
+from lightning_gaudi_ds import LightningCLI  # Lightning's, with clear errors for --trainer.strategy/precision
 
 DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "pride_and_prejudice.txt"
 
@@ -354,10 +354,12 @@ class RunReport(L.Callback):
     def summary(self, trainer: L.Trainer, checkpoint: Optional[Path]) -> str:
         lines = ["", "=" * 30 + " train_lm summary " + "=" * 30]
         strategy = trainer.strategy
-        stage = getattr(strategy, "zero_stage", None) or (strategy.config or {}).get("zero_optimization", {}).get("stage")
+        config = getattr(strategy, "config", None) or {}  # None of it under a strategy without DeepSpeed
+        stage = getattr(strategy, "zero_stage", None) or config.get("zero_optimization", {}).get("stage")
+        zero = f" (ZeRO stage {stage})" if stage is not None else ""
         lines.append(
             f"run:        {trainer.global_step} steps on {trainer.world_size} x {strategy.root_device.type},"
-            f" {type(strategy).__name__} (ZeRO stage {stage}), precision {trainer.precision}"
+            f" {type(strategy).__name__}{zero}, precision {trainer.precision}"
         )
         if self.first_loss is not None:
             val = trainer.callback_metrics.get("val_loss")

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from lightning_gaudi_ds.config import ConfigError, ConfigNotFoundError
     from lightning_gaudi_ds.jit_ops import BuildLockError
     from lightning_gaudi_ds.launch import DistributedRunner, HostfileError
+    from lightning_gaudi_ds.lightning_cli import LightningCLI
     from lightning_gaudi_ds.planning import plan_memory
     from lightning_gaudi_ds.strategy import HPUDeepSpeedStrategy
 
@@ -48,6 +49,7 @@ __all__ = [
     "HPUDeepSpeedStrategy",
     "HostfileError",
     "IncompleteCheckpointError",
+    "LightningCLI",
     "NotACheckpointError",
     "__version__",
     "convert_zero_checkpoint_to_fp32_state_dict",
@@ -70,6 +72,7 @@ _EXPORTS = {
     "HPUDeepSpeedStrategy": "lightning_gaudi_ds.strategy",
     "HostfileError": "lightning_gaudi_ds.launch",
     "IncompleteCheckpointError": "lightning_gaudi_ds.checkpoint",
+    "LightningCLI": "lightning_gaudi_ds.lightning_cli",
     "NotACheckpointError": "lightning_gaudi_ds.checkpoint",
     "convert_zero_checkpoint_to_fp32_state_dict": "lightning_gaudi_ds.checkpoint",
     "plan_memory": "lightning_gaudi_ds.planning",

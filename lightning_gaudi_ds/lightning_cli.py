@@ -1,0 +1,93 @@
+"""Lightning's ``LightningCLI`` with this package's checks of the Trainer's arguments.
+
+Lightning checks ``strategy=`` names and ``precision=`` inside ``Trainer.__init__``, before any strategy hook
+runs, and its messages name only Lightning's own strategies (``strategy='deepspeed'``). This subclass checks the
+parsed ``--trainer.*`` values first, in ``before_instantiate_classes``, and says what this package accepts:
+
+    from lightning_gaudi_ds import LightningCLI        # instead of lightning.pytorch.cli.LightningCLI
+
+It raises the exception type the Trainer would (``ValueError``) and changes nothing else.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+from lightning.pytorch.cli import LightningCLI as _LightningCLI
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
+
+from lightning_gaudi_ds.devices import ALL_PRECISIONS, DEVICES
+from lightning_gaudi_ds.strategy import _REGISTERED, HPUDeepSpeedStrategy
+
+# Lightning's shorthands (lightning.fabric.connector._convert_precision_to_unified_args)
+_PRECISION_ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
+OWN_NAMES = tuple(name for name, _, _ in _REGISTERED)
+
+
+def check_trainer_arguments(strategy: Any, precision: Any, accelerator: Any = "auto") -> None:
+    """Refuse a strategy name no registry knows, and a precision ``HPUDeepSpeedStrategy`` cannot train in.
+
+    ``strategy`` may be a name, a strategy instance, or LightningCLI's not yet instantiated
+    ``{"class_path": ..., "init_args": ...}``. Raises ``ValueError`` naming the value and what is accepted.
+    """
+    if isinstance(strategy, str) and strategy.lower() != "auto":
+        _check_strategy_name(strategy.lower())
+    if precision is None or not _is_own_strategy(strategy):
+        return
+    flag = _PRECISION_ALIASES.get(str(precision), str(precision))
+    device = {"gpu": "cuda"}.get(str(accelerator).lower(), str(accelerator).lower()) if isinstance(accelerator, str) \
+        else None
+    spec = DEVICES.get(device) if device else None
+    allowed = spec.precisions if spec is not None else ALL_PRECISIONS
+    if flag not in allowed:
+        where = f" on accelerator={device!r}" if spec is not None else ""
+        raise ValueError(
+            f"precision={precision!r} is not supported by HPUDeepSpeedStrategy{where}: DeepSpeed trains in"
+            f" {', '.join(repr(p) for p in allowed)}. Set --trainer.precision (Trainer(precision=...)) to one of"
+            " them; 'bf16-mixed' is the usual choice on Gaudi, CPUs and recent GPUs."
+        )
+
+
+def _check_strategy_name(name: str) -> None:
+    available = StrategyRegistry.available_strategies()
+    if name in available:
+        return
+    close = difflib.get_close_matches(name, list(available), n=3, cutoff=0.6)
+    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    raise ValueError(
+        f"strategy={name!r} is not a registered strategy name.{hint} This package registers"
+        f" {', '.join(OWN_NAMES)}; any stage can also be set by class: --trainer.strategy"
+        " lightning_gaudi_ds.HPUDeepSpeedStrategy --trainer.strategy.stage 3 (Trainer(strategy="
+        "HPUDeepSpeedStrategy(stage=3))). Lightning's own names: StrategyRegistry.available_strategies()."
+    )
+
+
+def _is_own_strategy(strategy: Any) -> bool:
+    if isinstance(strategy, str):
+        return strategy.lower() in OWN_NAMES
+    if isinstance(strategy, Strategy):
+        return isinstance(strategy, HPUDeepSpeedStrategy)
+    class_path = strategy.get("class_path") if isinstance(strategy, Mapping) else getattr(strategy, "class_path", None)
+    if not isinstance(class_path, str) or "." not in class_path:
+        return False
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return False  # jsonargparse reports a class path that does not resolve
+    return isinstance(cls, type) and issubclass(cls, HPUDeepSpeedStrategy)
+
+
+class LightningCLI(_LightningCLI):
+    """``lightning.pytorch.cli.LightningCLI`` that checks ``--trainer.strategy`` and ``--trainer.precision``
+    against this package before the Trainer is built (see :func:`check_trainer_arguments`)."""
+
+    def before_instantiate_classes(self) -> None:
+        super().before_instantiate_classes()
+        config: Any = self.config.get(self.subcommand) if self.subcommand else self.config
+        trainer = config.get("trainer") if config is not None else None
+        if trainer is not None:
+            check_trainer_arguments(trainer.get("strategy"), trainer.get("precision"), trainer.get("accelerator"))
