@@ -27,11 +27,13 @@ from cases import Case  # noqa: E402
 from launch import run_one, run_ranks  # noqa: E402
 
 WORLD = 2
-SPEED_ARMS = ("ddp", "z0", "z1", "z2", "z3", "z2_offload", "z3_offload", "z1_allreduce", "z2_allreduce",
-              "z2_overlap", "z2_nocontig", "z3_overlap")
+SPEED_ARMS = ("ddp", "z0", "z1", "z2", "z3", "z2_offload", "z3_offload", "z1_allreduce", "z2_allreduce")
 SWEEP_ARMS = ("ddp", "z0", "z1", "z2", "z3")
 EXTRA_ARMS = ("z2_offload", "z3_offload", "z1_allreduce", "z2_allreduce", "z2_overlap", "z2_nocontig",
               "z3_overlap")  # main size only
+# A CPU default switched the other way (issue 16 item 3): in the memory census, not in --quick; in the speed part
+# only with --flipped-speed (3 more arms per round; results/cpu_defaults.md holds two runs of them).
+FLIPPED_ARMS = ("z2_overlap", "z2_nocontig", "z3_overlap")
 FP32_ARMS = ("ddp", "z0", "z1", "z2", "z3", "z2_offload", "z3_offload")
 MMAP_THRESHOLD = 64 * 1024
 
@@ -51,6 +53,8 @@ class Settings:
     mmap_sweep: bool
     speed: bool
     memory: bool
+    flipped: bool = True
+    flipped_speed: tuple[str, ...] = ()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Settings":
@@ -69,7 +73,8 @@ class Settings:
         only = set(args.only or ("memory", "speed"))
         return cls(**base, offload=not args.no_offload and not args.quick or args.offload,
                    fp32=not args.quick or args.fp32, mmap_sweep=not args.quick and not args.no_mmap_sweep,
-                   speed="speed" in only, memory="memory" in only)
+                   speed="speed" in only, memory="memory" in only, flipped=not args.quick,
+                   flipped_speed=tuple(args.flipped_speed or FLIPPED_ARMS) if args.flipped_speed is not None else ())
 
 
 def plan(s: Settings) -> list[Case]:
@@ -84,7 +89,7 @@ def plan(s: Settings) -> list[Case]:
                     cases.append(Case(id=f"mem_bf16_{arm}_l{layers}_mmap", kind="memory", arm=arm, hidden=s.hidden,
                                       layers=layers, batch_size=s.batch_size, steps=s.memory_steps,
                                       extra={"mmap_threshold": MMAP_THRESHOLD}))
-        extras = [a for a in EXTRA_ARMS if s.offload or "offload" not in a]
+        extras = [a for a in EXTRA_ARMS if (s.offload or "offload" not in a) and (s.flipped or a not in FLIPPED_ARMS)]
         for arm in extras:
             cases.append(Case(id=f"mem_bf16_{arm}_l{s.main_layers}", kind="memory", arm=arm, hidden=s.hidden,
                               layers=s.main_layers, batch_size=s.batch_size, steps=s.memory_steps,
@@ -97,7 +102,7 @@ def plan(s: Settings) -> list[Case]:
                                   layers=s.main_layers, precision="32-true", batch_size=s.batch_size,
                                   steps=s.memory_steps, extra={"gc_check": True}))
     if s.speed:
-        arms = tuple(a for a in SPEED_ARMS if s.offload or "offload" not in a)
+        arms = tuple(a for a in SPEED_ARMS + tuple(s.flipped_speed) if s.offload or "offload" not in a)
         for r in range(s.speed_rounds):
             k = r % len(arms)
             for arm in arms[k:] + arms[:k]:  # rotate the order each round
@@ -139,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speed-measured", dest="speed_measured", type=int)
     parser.add_argument("--offload", action="store_true", help="include ZeRO-Offload arms in --quick")
     parser.add_argument("--no-offload", dest="no_offload", action="store_true")
+    parser.add_argument("--flipped-speed", dest="flipped_speed", nargs="*", choices=FLIPPED_ARMS, metavar="ARM",
+                        help="also time these arms with a CPU communication default switched (none named: all of "
+                             f"{', '.join(FLIPPED_ARMS)})")
     parser.add_argument("--fp32", action="store_true", help="include the fp32 census in --quick")
     parser.add_argument("--no-mmap-sweep", dest="no_mmap_sweep", action="store_true",
                         help="skip the second RSS sweep with glibc's mmap threshold pinned to 64 KiB")

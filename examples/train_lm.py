@@ -16,6 +16,7 @@ rank 0 prints where the logs and the checkpoint are.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import warnings
@@ -26,6 +27,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning_utilities.core import rank_zero
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
@@ -458,8 +460,16 @@ class LMCLI(LightningCLI):
             print(report.summary(trainer, checkpoint), flush=True)
 
 
+class _NoTips(logging.Filter):
+    """Lightning's "💡 Tip: ... try installing litlogger" advertisement, printed on every run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip")
+
+
 def main(args: Optional[list[str]] = None) -> None:
     warnings.filterwarnings("ignore", message=".*`tensorboardX` has been removed as a dependency.*")
+    rank_zero.log.addFilter(_NoTips())  # the logger of Lightning's rank_zero_info
     LMCLI(LitGPT, TextDataModule, seed_everything_default=42, args=args)
 
 

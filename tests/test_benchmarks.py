@@ -18,6 +18,9 @@ from tests.procs import REPO, run_job
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from report import fit_line, formula  # noqa: E402
+from run_all import FLIPPED_ARMS, Settings, plan  # noqa: E402
+import spread  # noqa: E402
+from recipes import summary_fields  # noqa: E402
 
 
 def test_paper_formulas_at_two_ranks() -> None:
@@ -27,6 +30,45 @@ def test_paper_formulas_at_two_ranks() -> None:
     assert formula("z3", "bf16-mixed", 8) == 2
     a, b, r2 = fit_line([1, 2, 3], [12, 22, 32])
     assert (a, b, r2) == pytest.approx((10, 2, 1))
+
+
+def _speed_file(path: Path, ratios: dict[str, tuple[float, float]]) -> Path:
+    rows = [{"type": "meta"}] + [{"type": "speed", "arm": arm, "ok": True, "cpu_overhead": o, "cpu_vs_ddp": v,
+                                  "vs_ddp": v} for arm, (o, v) in ratios.items()]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_spread_judges_every_cpu_ratio_of_two_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    one = _speed_file(tmp_path / "one.jsonl", {"ddp": (1.00, 1.0), "z1": (1.02, 0.80), "z3": (0.99, 0.70)})
+    close = _speed_file(tmp_path / "close.jsonl", {"ddp": (1.04, 1.0), "z1": (1.00, 0.75), "z3": (1.01, 0.74)})
+    far = _speed_file(tmp_path / "far.jsonl", {"ddp": (1.00, 1.0), "z1": (1.02, 0.60), "z3": (0.99, 0.70)})
+    assert spread.main([str(one), str(close), "--write", str(tmp_path / "spread.md")]) == 0
+    table = (tmp_path / "spread.md").read_text()
+    assert "| ZeRO-1 | 1.020 / 1.000 | 2.0% | 0.800 / 0.750 | 6.7% |" in table
+    assert "Largest difference 6.7%; 0 ratio(s)" in table
+    assert spread.main([str(one), str(far)]) == 1
+    assert "33.3% ✗" in capsys.readouterr().out  # 0.80 vs 0.60: |a - b| / min(a, b)
+
+
+def test_recipe_benchmark_reads_the_examples_summary() -> None:
+    """benchmarks/recipes.py parses the summary train_lm.py prints (the README shows one)."""
+    readme = (REPO / "README.md").read_text()
+    fields = summary_fields(readme)
+    assert fields["processes"] == 2 and fields["device"] == "cpu" and fields["stage"] == 2
+    assert fields["samples_per_s"] > 0 and fields["tokens_per_s"] > fields["samples_per_s"] and fields["timed_steps"] > 0
+    assert 0 < fields["val_loss"] < fields["first_loss"]
+
+
+def test_quick_plan_leaves_out_the_flipped_defaults() -> None:
+    common = dict(hidden=64, layers=(2,), main_layers=2, batch_size=4, memory_steps=3, speed_rounds=2,
+                  speed_warmup=1, speed_measured=2, offload=False, fp32=False, mmap_sweep=False, speed=True,
+                  memory=True)
+    full = plan(Settings(**common))
+    assert set(FLIPPED_ARMS) <= {c.arm for c in full if c.kind == "memory"}
+    assert not set(FLIPPED_ARMS) & {c.arm for c in full if c.kind == "speed"}  # only with --flipped-speed
+    assert set(FLIPPED_ARMS) <= {c.arm for c in plan(Settings(**common, flipped_speed=FLIPPED_ARMS)) if c.kind == "speed"}
+    assert not set(FLIPPED_ARMS) & {c.arm for c in plan(Settings(**common, flipped=False))}  # --quick
 
 
 @pytest.mark.multiprocess

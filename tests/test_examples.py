@@ -211,6 +211,7 @@ def _check_checkpoint_exports(out: str, tmp_path: Path) -> None:
 
 def _check_run(out: str, stage: int) -> None:
     assert f"(ZeRO stage {stage}), precision bf16-mixed" in _summary_field(out, "run")
+    assert "💡 Tip" not in out  # Lightning's litlogger advertisement, filtered by the example
     assert "6 steps on 2 x cpu" in _summary_field(out, "run")
     first, last = map(float, re.findall(r"train ([\d.]+) -> ([\d.]+)", _summary_field(out, "loss"))[0])
     assert 5.0 < first < 6.0 and last < first - 0.3, (first, last)  # from chance (ln 256 = 5.55) downwards
