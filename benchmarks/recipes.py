@@ -42,6 +42,16 @@ def summary_fields(log: str) -> dict[str, Any]:
     return out
 
 
+def recipe_shape(name: str) -> dict[str, Any]:
+    """The model and batch a YAML trains (LitGPT's and TextDataModule's defaults where the YAML is silent)."""
+    import yaml
+
+    config = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+    model, data = config.get("model") or {}, config.get("data") or {}
+    return {"n_layer": model.get("n_layer", 4), "n_embd": model.get("n_embd", 128), "lr": model.get("lr", 3e-3),
+            "batch_size": data.get("batch_size", 16), "block_size": data.get("block_size", 128)}
+
+
 def run_recipe(name: str, steps: int, work: Path, timeout: float) -> dict[str, Any]:
     log = work / f"{name}.log"
     cmd = [sys.executable, str(REPO / "examples" / "train_lm.py"), "fit", "--config", str(CONFIGS / f"{name}.yaml"),
@@ -50,21 +60,24 @@ def run_recipe(name: str, steps: int, work: Path, timeout: float) -> dict[str, A
            "--trainer.default_root_dir", str(work / name)]
     res = run_one(cmd, log, timeout, env={"OMP_NUM_THREADS": "1"})
     text = log.read_text(errors="replace")
-    row: dict[str, Any] = {"recipe": name, "ok": res.ok, "wall_s": round(res.seconds, 1), **summary_fields(text)}
+    row: dict[str, Any] = {"recipe": name, "ok": res.ok, "wall_s": round(res.seconds, 1), **recipe_shape(name),
+                           **summary_fields(text)}
     if not res.ok or "samples_per_s" not in row:
         row["ok"], row["error"] = False, text[-600:]
     return row
 
 
 def table(rows: list[dict[str, Any]], steps: int) -> str:
-    lines = ["| recipe (examples/configs) | ZeRO | samples/s | tokens/s | train loss (first → last) | val loss |"
-             " end to end |", "|---|---|---|---|---|---|---|"]
+    lines = ["| recipe (examples/configs) | ZeRO | model: layers × width | batch per process × bytes | samples/s |"
+             " tokens/s | train loss (first → last) | val loss | end to end |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r["ok"]:
-            lines.append(f"| {r['recipe']}.yaml | failed: {r.get('error', '')[-80:]!r} ||||||")
+            lines.append(f"| {r['recipe']}.yaml | failed: {r.get('error', '')[-80:]!r} ||||||||")
             continue
         val = f"{r['val_loss']:.3f}" if r.get("val_loss") is not None else "–"
-        lines.append(f"| {r['recipe']}.yaml | {r.get('stage', '–')} | {r['samples_per_s']:,.1f} |"
+        shape = {**recipe_shape(r["recipe"]), **r}
+        lines.append(f"| {r['recipe']}.yaml | {r.get('stage', '–')} | {shape['n_layer']} × {shape['n_embd']} |"
+                     f" {shape['batch_size']} × {shape['block_size']} | {r['samples_per_s']:,.1f} |"
                      f" {r['tokens_per_s']:,.0f} | {r['first_loss']:.2f} → {r['last_loss']:.2f} | {val} |"
                      f" {r['wall_s']:.0f} s |")
     lines.append("")
@@ -80,7 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=ORDER, help="these recipes only")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--timeout", type=float, default=900, help="per recipe (s)")
+    parser.add_argument("--report-only", dest="report_only", action="store_true",
+                        help="rebuild recipes.md from the last recipes.jsonl")
     args = parser.parse_args(argv)
+    if args.report_only:
+        meta, *rows = [json.loads(line) for line in (args.out / "recipes.jsonl").read_text().splitlines()]
+        text = f"Run {meta['started']}.\n\n" + table(rows, meta["steps"]) + "\n"
+        (args.out / "recipes.md").write_text(text)
+        print(text)
+        return 0
     names = [n for n in ORDER if not args.only or n in args.only]
     rows = []
     started = time.strftime("%Y-%m-%dT%H:%M:%S")

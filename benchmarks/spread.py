@@ -62,7 +62,7 @@ def compare(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]], toleranc
 
 
 # A CPU communication default switched the other way (run_all.py --flipped-speed) -> the arm with the default
-FLIPPED = {"z2_overlap": "z2", "z2_nocontig": "z2", "z3_overlap": "z3"}
+FLIPPED = {"z1_allreduce": "z1", "z2_allreduce": "z2", "z2_overlap": "z2", "z2_nocontig": "z2", "z3_overlap": "z3"}
 
 
 def flipped_table(runs: list[dict[str, dict[str, Any]]]) -> list[str]:
