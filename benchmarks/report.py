@@ -223,9 +223,12 @@ def speed_rows(results: dict[str, CaseResult]) -> list[dict[str, Any]]:
         d["pairs"] += [t / r for t, r in zip(r0["trainer_s"], r0["raw_s"])]
         d.setdefault("cpu_pairs", []).extend(t / r for t, r in zip(r0.get("trainer_cpu_s", []), r0.get("raw_cpu_s", [])))
         d["samples"] = [r0["samples_per_step"]]
-        if r0.get("trainer_cpu_s") and r0.get("raw_cpu_s"):
-            d["rounds"][res.case.round] = (statistics.median(r0["trainer_cpu_s"]), statistics.median(r0["raw_cpu_s"]),
-                                           statistics.median(r0["trainer_s"]))
+        if r0.get("trainer_cpu_s") and r0.get("raw_cpu_s"):  # DDP runs twice per round: pool its cases
+            steps = d.setdefault("round_steps", {}).setdefault(res.case.round, ([], [], []))
+            for acc, key in zip(steps, ("trainer_cpu_s", "raw_cpu_s", "trainer_s")):
+                acc.extend(r0[key])
+    for d in by_arm.values():
+        d["rounds"] = {k: tuple(statistics.median(xs) for xs in v) for k, v in d.get("round_steps", {}).items()}
     rows = []
     ddp_sps = None
     ddp_rounds = by_arm.get("ddp", {}).get("rounds", {})
@@ -352,7 +355,9 @@ def markdown(m: dict[str, Any], mem: list[dict[str, Any]], mem32: list[dict[str,
     lines = [
         f"Run {m['date']}, {m['elapsed_s']:.0f} s end to end; {m['machine']['cpu']}, {m['machine']['cores']} cores, "
         f"{m['machine']['memory_gib']} GiB; load average at the end {', '.join(f'{x:.1f}' for x in m['machine']['load_avg_at_end'])} "
-        f"(a shared machine: other jobs ran beside this one). torch {m['versions']['torch']}, lightning "
+        + ("(other jobs ran beside this one)" if max(m["machine"]["load_avg_at_end"]) > m["machine"]["cores"] + 0.5
+           else "(the benchmark's own ranks only)")
+        + f". torch {m['versions']['torch']}, lightning "
         f"{m['versions']['lightning']}, deepspeed {m['versions']['deepspeed']}, commit {m['versions']['commit']}.",
         f"N = {s['world_size']} ranks on gloo, 1 torch thread each; model: {s['main_layers']} × Linear({s['hidden']}, "
         f"{s['hidden']}) (Ψ = {psi / 1e6:.1f}M)" if psi else "",
@@ -565,7 +570,8 @@ def charts(out: Path, mem: list[dict[str, Any]], rss: list[dict[str, Any]], spee
 
 
 def write_report(out: Path, cases: Sequence[Case], settings: dict[str, Any], world: int, elapsed: float,
-                 build: Optional[dict[str, Any]], quick: bool, update_readme: bool) -> list[str]:
+                 build: Optional[dict[str, Any]], quick: bool, update_readme: bool,
+                 keep_meta: bool = False) -> list[str]:
     results = load(out / "raw" / "cases", cases, world)
     failures = [f"{cid}: {r.error()[:200]}" for cid, r in results.items() if not r.ok]
     main = settings["main_layers"]
@@ -574,7 +580,12 @@ def write_report(out: Path, cases: Sequence[Case], settings: dict[str, Any], wor
     comm = comm_rows(results, "bf16", main) + comm_rows(results, "fp32", main)
     rss = rss_rows(results, settings["layers"], world)
     speed = speed_rows(results)
-    m = meta(settings, world, elapsed, build)
+    saved_meta = out / "raw" / "meta.json"
+    if keep_meta and saved_meta.exists():  # --report-only: the run's own date, commit and load, not today's
+        m = json.loads(saved_meta.read_text())
+    else:
+        m = meta(settings, world, elapsed, build)
+        saved_meta.write_text(json.dumps(m))
     with open(out / "results.jsonl", "w") as f:
         f.write(json.dumps(m) + "\n")
         for row in mem + mem32 + rss + speed + comm:

@@ -105,8 +105,12 @@ def plan(s: Settings) -> list[Case]:
         arms = tuple(a for a in SPEED_ARMS + tuple(s.flipped_speed) if s.offload or "offload" not in a)
         for r in range(s.speed_rounds):
             k = r % len(arms)
-            for arm in arms[k:] + arms[:k]:  # rotate the order each round
-                cases.append(Case(id=f"speed_r{r}_{arm}", kind="speed", arm=arm, hidden=s.hidden,
+            order = [(arm, arm) for arm in arms[k:] + arms[:k]]  # rotate the order each round
+            if "ddp" in arms and len(arms) > 2:  # DDP is every ÷ DDP ratio's denominator: time it twice per round,
+                half = (order.index(("ddp", "ddp")) + len(order) // 2) % len(order)  # half a round apart
+                order.insert(half + 1, ("ddp", "ddp_b"))
+            for arm, name in order:
+                cases.append(Case(id=f"speed_r{r}_{name}", kind="speed", arm=arm, hidden=s.hidden,
                                   layers=s.main_layers, batch_size=s.batch_size,
                                   steps=s.speed_warmup + s.speed_measured + 1, warmup=s.speed_warmup, round=r))
     return cases
@@ -168,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         saved = json.loads((raw / "run.json").read_text())
         cases = [Case.from_json(c) for c in json.loads((raw / "plan.json").read_text())["cases"]]
         failed = write_report(out, cases, saved["settings"], WORLD, saved["elapsed"], saved["build"], args.quick,
-                              update_readme=not args.quick and not args.no_readme and args.out is None)
+                              update_readme=not args.quick and not args.no_readme and args.out is None, keep_meta=True)
         return 1 if failed else 0
     previous = out / "results.jsonl"
     kept = previous_cases(previous) if args.cases and previous.exists() else {}
