@@ -39,6 +39,10 @@ ARMS: dict[str, Arm] = {
 }
 
 
+# Each arm that switches a CPU communication default (its `zero` settings) -> the arm with the default
+FLIPPED: dict[str, str] = {name: f"z{arm.stage}" for name, arm in ARMS.items() if arm.zero}
+
+
 @dataclass
 class Case:
     id: str

@@ -211,7 +211,7 @@ def speed_rows(results: dict[str, CaseResult]) -> list[dict[str, Any]]:
             errors[res.case.arm] = res.error()
             continue
         d = by_arm.setdefault(res.case.arm, {"trainer": [], "raw": [], "pairs": [], "samples": [], "tcpu": [],
-                                             "rcpu": [], "rounds": {}})
+                                             "rcpu": []})
         r0 = res.r0
         d["trainer"] += r0["trainer_s"]
         d["raw"] += r0["raw_s"]

@@ -23,7 +23,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from cases import Case  # noqa: E402
+from cases import FLIPPED, Case  # noqa: E402
 from launch import run_one, run_ranks  # noqa: E402
 
 WORLD = 2
@@ -33,7 +33,7 @@ EXTRA_ARMS = ("z2_offload", "z3_offload", "z1_allreduce", "z2_allreduce", "z2_ov
               "z3_overlap")  # main size only
 # A CPU communication default switched the other way (issue 16 items 2-3): in the memory census (not in --quick);
 # in the speed part only with --flipped-speed (results/cpu_defaults.md: two runs of all of them).
-FLIPPED_ARMS = ("z1_allreduce", "z2_allreduce", "z2_overlap", "z2_nocontig", "z3_overlap")
+FLIPPED_ARMS = tuple(FLIPPED)  # z1_allreduce, z2_allreduce, z2_overlap, z2_nocontig, z3_overlap
 FP32_ARMS = ("ddp", "z0", "z1", "z2", "z3", "z2_offload", "z3_offload")
 MMAP_THRESHOLD = 64 * 1024
 

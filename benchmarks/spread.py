@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from cases import ARMS
+from cases import ARMS, FLIPPED
 
 JUDGED = (("cpu_overhead", "CPU time Trainer ÷ raw"), ("cpu_vs_ddp", "samples per CPU-s ÷ DDP"))
 
@@ -59,10 +59,6 @@ def compare(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]], toleranc
     lines.append("")
     lines.append(f"Largest difference {100 * worst:.1f}%; {outside} ratio(s) differ by more than {100 * tolerance:.0f}%.")
     return lines, outside
-
-
-# A CPU communication default switched the other way (run_all.py --flipped-speed) -> the arm with the default
-FLIPPED = {"z1_allreduce": "z1", "z2_allreduce": "z2", "z2_overlap": "z2", "z2_nocontig": "z2", "z3_overlap": "z3"}
 
 
 def flipped_table(runs: list[dict[str, dict[str, Any]]]) -> list[str]:

@@ -15,6 +15,9 @@ import torch
 
 from tests.procs import REPO, run_job
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+from recipes import summary_fields as recipe_summary_fields  # noqa: E402
+
 EXAMPLES = REPO / "examples"
 CONFIGS = EXAMPLES / "configs"
 YAMLS = sorted(p.name for p in CONFIGS.glob("*.yaml"))
@@ -216,6 +219,8 @@ def _check_run(out: str, stage: int) -> None:
     first, last = map(float, re.findall(r"train ([\d.]+) -> ([\d.]+)", _summary_field(out, "loss"))[0])
     assert 5.0 < first < 6.0 and last < first - 0.3, (first, last)  # from chance (ln 256 = 5.55) downwards
     assert re.search(r"[\d.]+ samples/s, [\d,]+ tokens/s", _summary_field(out, "throughput"))
+    fields = recipe_summary_fields(out)  # benchmarks/recipes.py reads this very summary
+    assert fields["samples_per_s"] > 0 and fields["val_loss"] is not None and fields["stage"] == stage, fields
     metrics = Path(_summary_field(out, "logs"))
     rows = list(csv.DictReader(metrics.open()))
     for column in ("train/samples_per_sec", "train/items_per_sec", "train_loss", "val_loss"):
