@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import inspect
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,16 +45,20 @@ __all__ = [
     "created_deepspeed_accelerator",
     "autotp_parse",
     "lm_head_allreduce",
+    "tensor_parallel_config_keys",
     "tensor_parallel_layer_class",
     "deepspeed_accelerator_name",
     "deepspeed_op_enabled",
+    "deepspeed_reads_config_key",
     "deepspeed_removed_config_keys",
+    "deepspeed_version",
     "disable_deepspeed_op",
     "ds_to_universal",
     "extensions_root",
     "forget_jit_extension",
     "is_unimplemented_builder",
     "mark_step_wrapped_for_lr_scheduler",
+    "precision_config_models",
     "model_states_meta",
     "model_states_name",
     "optim_states_name",
@@ -161,6 +167,52 @@ def deepspeed_removed_config_keys() -> tuple[Mapping[str, str], Mapping[str, str
     )
 
 
+@functools.cache
+def deepspeed_reads_config_key(key: str) -> bool:
+    """Whether this DeepSpeed's ``runtime/config.py`` reads top-level key ``key`` by its literal name (the keys of
+    ``config.load.INLINE_KEYS``). 0.16 (Habana's fork) reads no ``sequence_parallel_size`` there, for one."""
+    import deepspeed.runtime.config as ds_config
+
+    source = inspect.getsource(ds_config)
+    return f'"{key}"' in source or f"'{key}'" in source
+
+
+def deepspeed_version() -> str:
+    """The installed DeepSpeed's version string (Habana's fork: upstream's, e.g. ``0.16.1+hpu.synapse.v1.21.0``)."""
+    import deepspeed
+
+    return str(deepspeed.__version__)
+
+
+def precision_config_models() -> dict[str, type]:
+    """DeepSpeed's pydantic models of the ``bf16`` and ``fp16`` config sections, by section name.
+
+    DeepSpeed 0.17+ has them (``deepspeed.runtime.precision_config``). 0.16 (and Habana's fork) reads both sections
+    by hand in ``runtime/config.py``, key by key, from its ``BFLOAT16_<KEY>``/``FP16_<KEY>`` constants and their
+    ``_DEFAULT`` values: there an equivalent model is built from those constants, each key typed as its default
+    (numbers as float), so the same keys and types are checked on every version.
+    """
+    try:
+        from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    except ImportError:  # DeepSpeed < 0.17
+        DeepSpeedBF16Config = _model_from_constants("DeepSpeedBF16Config", "BFLOAT16_")
+        DeepSpeedFP16Config = _model_from_constants("DeepSpeedFP16Config", "FP16_")
+    return {"bf16": DeepSpeedBF16Config, "bfloat16": DeepSpeedBF16Config, "fp16": DeepSpeedFP16Config}
+
+
+def _model_from_constants(name: str, prefix: str) -> type:
+    import deepspeed.runtime.constants as constants
+    from pydantic import ConfigDict, create_model
+
+    fields: dict[str, Any] = {}
+    for const, key in vars(constants).items():
+        if const.startswith(prefix) and hasattr(constants, f"{const}_DEFAULT"):
+            default = getattr(constants, f"{const}_DEFAULT")
+            fields[key] = (bool if isinstance(default, bool) else float, default)
+    model: type = create_model(name, __config__=ConfigDict(extra="forbid"), **fields)
+    return model
+
+
 def mark_step_wrapped_for_lr_scheduler(optimizer: Any) -> None:
     """Give ``optimizer.step`` the marks torch's ``LRScheduler`` puts on the step it wraps when it is built.
 
@@ -198,16 +250,28 @@ def reset_zero3_trace_at_outer_forward_only(engine: Any) -> bool:
     reset cuts every recorded trace after one module, so the trace is never complete: no prefetch, and every
     parameter is released after its forward and all-gathered again in backward (24-28% more CPU time than a
     plain ``deepspeed.initialize`` loop, benchmarks/README.md). Here the reset runs only when the top module is
-    entered from outside itself. Uses DeepSpeed's private ``fwd_pre_hook``, ``forward_hooks`` and
-    ``get_param_coordinator`` (0.19).
+    entered from outside itself. DeepSpeed 0.19 keeps the hook's handle (``fwd_pre_hook``); upstream 0.16 registers
+    it without one (found by its function, ``_start_of_forward_hook``); Habana's fork resets no step in a pre-hook
+    (it resets in an evaluation forward's post-hook, and per training/evaluation coordinator), so nothing applies.
     """
     import torch
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
     optimizer = getattr(engine, "optimizer", None)
     offload = getattr(optimizer, "parameter_offload", optimizer)  # training: the ZeRO-3 optimizer's; eval: itself
-    if not isinstance(offload, DeepSpeedZeRoOffload) or getattr(offload, "fwd_pre_hook", None) is None:
+    if not isinstance(offload, DeepSpeedZeRoOffload):
         return False
+    handle = getattr(offload, "fwd_pre_hook", None)
+    if handle is None:  # DeepSpeed 0.16: the reset hook has no handle
+        hooks = offload.module._forward_pre_hooks
+        found = [key for key, hook in hooks.items() if "_start_of_forward_hook" in _function_names(hook)]
+        if len(found) != 1:
+            return False
+
+        def remove() -> None:
+            hooks.pop(found[0], None)
+    else:
+        remove = handle.remove
     depth = 0
 
     @torch.compiler.disable
@@ -222,10 +286,19 @@ def reset_zero3_trace_at_outer_forward_only(engine: Any) -> bool:
         nonlocal depth
         depth = max(depth - 1, 0)
 
-    offload.fwd_pre_hook.remove()
+    remove()
     offload.fwd_pre_hook = offload.module.register_forward_pre_hook(enter, prepend=True)
     offload.forward_hooks.append(offload.module.register_forward_hook(leave, always_call=True))
     return True
+
+
+def _function_names(function: Any) -> set[str]:
+    """A function's name and those of the functions its closure wraps (DeepSpeed's ``instrument_w_nvtx``)."""
+    names = {getattr(function, "__name__", "")}
+    for cell in getattr(function, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):  # an empty cell
+            names.add(getattr(cell.cell_contents, "__name__", ""))
+    return names
 
 
 # ================================================================================================= Gaudi (gaudi)
@@ -379,19 +452,53 @@ def autotp_parse(model: Any) -> Any:
     return AutoTP.tp_parser(model)
 
 
-def tensor_parallel_layer_class() -> type:
-    """The base class of every layer DeepSpeed's tensor parallelism puts in place of a split one."""
-    from deepspeed.module_inject.layers import TensorParallel_Layer
+def tensor_parallel_layer_class() -> type | tuple[type, ...]:
+    """The class (0.17+: ``TensorParallel_Layer``, their base) or classes (0.16: ``LinearLayer``, ``LinearAllreduce``,
+    ``LmHeadLinearAllreduce``) of the layers DeepSpeed's tensor parallelism puts in place of split ones: an
+    ``isinstance`` argument."""
+    try:
+        from deepspeed.module_inject.layers import TensorParallel_Layer
+    except ImportError:  # DeepSpeed 0.16 (Habana's fork): no common base class
+        from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer, LmHeadLinearAllreduce
 
+        return LinearLayer, LinearAllreduce, LmHeadLinearAllreduce
     return TensorParallel_Layer
+
+
+def tensor_parallel_config_keys() -> tuple[str, ...]:
+    """The fields of DeepSpeed's ``DeepSpeedTPConfig`` (``tensor_parallel`` of ``init_inference``); 0.16 has no
+    ``tp_grain_size``, and Habana's fork refuses it."""
+    from deepspeed.inference.config import DeepSpeedTPConfig
+
+    return tuple(DeepSpeedTPConfig.model_fields)
 
 
 def lm_head_allreduce(head: Any, group: Any, model_config: Any, grain: int) -> Any:
     """``head`` (an ``nn.Linear``) split by input columns over ``group``, its outputs summed, as AutoTP splits a
-    top-level ``lm_head``."""
-    from deepspeed.module_inject.layers import LmHeadLinearAllreduce
-    from deepspeed.module_inject.tp_shard import AutoTPMeta
+    top-level ``lm_head``; ``head`` itself where this DeepSpeed cannot split it for ``group``.
 
+    0.17+ sizes the shards from the model's config (``AutoTPMeta``). 0.16 takes the weight already cut
+    (``tp_shard.get_shard_size_list``, the fork's shard rule included) and sizes the input slice in ``forward``
+    by the *global* rank: there only a group of every rank is split.
+    """
+    import torch
+    from deepspeed.module_inject.layers import LmHeadLinearAllreduce
+
+    try:
+        from deepspeed.module_inject.tp_shard import AutoTPMeta
+    except ImportError:  # DeepSpeed 0.16
+        import deepspeed.module_inject.tp_shard as tp_shard
+        import torch.distributed as dist
+
+        if not hasattr(tp_shard, "num_kv_heads"):  # declared, unset until AutoTP's first split: None is "unknown"
+            tp_shard.set_num_kv_heads(None)
+        get_shard_size_list = tp_shard.get_shard_size_list
+        rank, size = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+        if group is not None and size != dist.get_world_size():
+            return head
+        shard = head.weight.data.split(get_shard_size_list(head.in_features, size, "lm_head"), dim=1)[rank]
+        bias = None if head.bias is None else torch.nn.Parameter(head.bias.data, requires_grad=False)
+        return LmHeadLinearAllreduce(torch.nn.Parameter(shard.clone(), requires_grad=False), rank, size, bias, group)
     return LmHeadLinearAllreduce(head, group, tp_meta=AutoTPMeta.from_model_config(model_config, grain))
 
 

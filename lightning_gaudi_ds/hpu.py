@@ -32,6 +32,9 @@ ENV_DEFAULTS: Mapping[str, str] = {
 MPI_FORWARD_PREFIXES = ("PT_HPU_", "PT_HCCL_", "HABANA_", "HCCL_", "HCL_")
 MPI_FORWARD_NAMES = (
     "LD_LIBRARY_PATH", "GC_KERNEL_PATH", "HABANA_LOGS", "DEEPSPEED_USE_HPU", "TORCHINDUCTOR_COMPILE_THREADS",
+    # read by Habana's DeepSpeed fork (1.20/1.21) in every rank
+    "HPU_DS_OLD_SHARD_SIZE", "DEEPSPEED_USE_HABANA_FRAMEWORKS_DETERMINISTIC_API",
+    "HL_DS_DISABLE_CHECKPOINTING_COMPILE_BYPASS", "DISABLE_LOGS_WHILE_COMPILING",
 )
 
 MISSING_STACK = (
@@ -254,7 +257,18 @@ def mpirun_forward_names(environ: Mapping[str, str] = os.environ) -> list[str]:
 
 
 def wrap_in_hpu_graph(module: Any) -> Any:
-    """Record ``module``'s forward as an HPU graph and replay it on later calls (Gaudi's ``enable_cuda_graph``)."""
+    """Record ``module``'s forward as an HPU graph and replay it on later calls (Gaudi's ``enable_cuda_graph``).
+
+    Lazy mode only, as Habana's DeepSpeed fork does (``HPU_Accelerator.wrap_in_hpu_graph``): HPU graphs capture
+    lazy-mode graphs, and in eager mode the module is returned as it is, with a warning.
+    """
     import habana_frameworks.torch.hpu as hthpu
 
+    if imported_mode() != "lazy":
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn("enable_cuda_graph=True on Gaudi records HPU graphs, which need lazy mode"
+                       " (PT_HPU_LAZY_MODE=1, HPUDeepSpeedStrategy(hpu_mode='lazy')); in eager mode the model runs"
+                       " without them.")
+        return module
     return hthpu.wrap_in_hpu_graph(module)

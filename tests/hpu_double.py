@@ -36,7 +36,14 @@ What the real import does, and the double models (Intel Gaudi PyTorch bridge, Ha
   accelerator by itself when ``habana_frameworks.torch.hpu`` imports; the accelerator's constructor turns on
   ``torch.use_deterministic_algorithms(True)`` (upstream also sets ``fill_uninitialized_memory = False``; the
   fork does not). :func:`install` lets the real ``get_accelerator()`` detect the double, as importing DeepSpeed
-  on a Gaudi machine would.
+  on a Gaudi machine would. Upstream 0.16.1 calls ``hpu.setDeterministic(True)`` there instead; the fork 1.20/1.21
+  calls it only with ``DEEPSPEED_USE_HABANA_FRAMEWORKS_DETERMINISTIC_API=1`` and otherwise turns torch's mode on
+  (:func:`deepspeed_hpu_determinism` tells which the installed DeepSpeed does).
+- ``hpu.is_lazy()`` and ``hpu.wrap_in_hpu_graph(module)``: the fork's ``HPU_Accelerator.wrap_in_hpu_graph`` wraps
+  in lazy mode only; ``hpu.setDeterministic(flag)`` sets the bridge's own deterministic mode.
+- The fork's ``CheckpointFunction.backward`` calls ``habana_frameworks.torch.core.mark_step()`` when the gradients
+  are on an HPU (the double's ``core.mark_step``), and its ZeRO-3 ``pre_sub_module_backward_function`` asserts
+  ``sub_module.training``.
 """
 
 from __future__ import annotations
@@ -93,6 +100,7 @@ class GaudiDouble:
         self.device_name = device_name
         self.lazy: Optional[bool] = None  # fixed by the first `is_lazy()` call, which the import makes
         self.on_hpu: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
+        self.deterministic = False  # the bridge's mode (hpu.setDeterministic), apart from torch's
 
     def record(self, name: str, payload: Any = None) -> None:
         self.calls.append((name, payload))
@@ -109,6 +117,17 @@ class GaudiDouble:
     # ------------------------------------------------------------------------- habana_frameworks.torch.core
     def mark_step(self, device_str: str = "") -> None:
         self.record("mark_step" if self.is_lazy() else "mark_step (no effect in eager mode)")
+
+    # -------------------------------------------------------------------------- habana_frameworks.torch.hpu
+    def set_deterministic(self, flag: bool) -> None:
+        """``hpu.setDeterministic``: the bridge's own deterministic mode; torch's flags are left as they are. Kept as
+        state rather than a call: DeepSpeed makes it whenever its accelerator is created, outside the strategy."""
+        self.deterministic = bool(flag)
+
+    def wrap_in_hpu_graph(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+        """``hpu.wrap_in_hpu_graph``: the module itself, its forward replayed from a recorded graph."""
+        self.record("wrap_in_hpu_graph", module)
+        return module
 
     # -------------------------------------------------------------- habana_frameworks.torch.distributed.hccl
     def initialize_distributed_hpu(
@@ -196,6 +215,9 @@ class GaudiDouble:
             memory_stats=lambda device=None: {"InUse": 0, "Limit": 96 * 10**9},
             HABANA_VISIBLE_MODULES_VAR="HABANA_VISIBLE_MODULES",
             HLS_MODULE_ID_VAR="HLS_MODULE_ID",
+            is_lazy=self.is_lazy,
+            setDeterministic=self.set_deterministic,
+            wrap_in_hpu_graph=self.wrap_in_hpu_graph,
             Event=type("Event", (), {"__module__": "habana_frameworks.torch.hpu"}),  # hpu/events.py
             Stream=type("Stream", (), {"__module__": "habana_frameworks.torch.hpu"}),  # hpu/streams.py
         )
@@ -224,6 +246,21 @@ class GaudiDouble:
             "habana_frameworks.torch.hpex": hpex,
             "habana_frameworks.torch.hpex.optimizers": optimizers,
         }
+
+
+def deepspeed_hpu_determinism(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> str:
+    """What the installed DeepSpeed's HPU accelerator turns on when it is created: ``"torch"`` (torch's
+    deterministic algorithms: 0.19, the fork by default) or ``"hpu"`` (``hpu.setDeterministic``: upstream 0.16.1,
+    the fork with ``DEEPSPEED_USE_HABANA_FRAMEWORKS_DETERMINISTIC_API=1``)."""
+    import inspect
+
+    from deepspeed.accelerator.hpu_accelerator import HPU_Accelerator
+
+    source = inspect.getsource(HPU_Accelerator.__init__)
+    if "DEEPSPEED_USE_HABANA_FRAMEWORKS_DETERMINISTIC_API" in source:  # Habana's fork
+        chosen = environ.get("DEEPSPEED_USE_HABANA_FRAMEWORKS_DETERMINISTIC_API", "").lower() in ("true", "1")
+        return "hpu" if chosen else "torch"
+    return "hpu" if "setDeterministic" in source else "torch"
 
 
 def protect_env(monkeypatch: pytest.MonkeyPatch, keys: Iterable[str] = TOUCHED_ENV) -> None:

@@ -178,8 +178,12 @@ def test_zero3_top_module_reset_hook() -> None:
 
     used_by = "_compat.reset_zero3_trace_at_outer_forward_only (ZeRO-3's step reset at the outer forward only)"
     setup = inspect.getsource(DeepSpeedZeRoOffload.setup_zero_stage3_hooks)
-    assert "self.fwd_pre_hook = self.module.register_forward_pre_hook" in setup and "reset_step()" in setup, (
-        f"{DEEPSPEED} no longer resets ZeRO-3's coordinator in DeepSpeedZeRoOffload.fwd_pre_hook; {used_by}")
+    if "_start_of_forward_hook" not in setup and "_end_of_forward_hook" in setup:
+        pytest.skip(f"{DEEPSPEED} (Habana's fork) resets ZeRO-3's step in no forward pre-hook: nothing to replace")
+    with_handle = "self.fwd_pre_hook = self.module.register_forward_pre_hook" in setup  # 0.19
+    without = "def _start_of_forward_hook" in setup and "self.module.register_forward_pre_hook(_start_of" in setup  # 0.16
+    assert (with_handle or without) and "reset_step()" in setup, (
+        f"{DEEPSPEED} no longer resets ZeRO-3's coordinator in a forward pre-hook of the top module; {used_by}")
     assert "self.forward_hooks" in inspect.getsource(DeepSpeedZeRoOffload._remove_module_hooks), used_by
     for name in ("get_param_coordinator",):
         assert hasattr(DeepSpeedZeRoOffload, name), f"{DEEPSPEED} removed DeepSpeedZeRoOffload.{name}; {used_by}"
@@ -221,7 +225,8 @@ def test_deepspeed_launcher_still_exports_rank_variables_and_cross_rank() -> Non
 
     source = inspect.getsource(ds_launch.main)
     node_rank = _compat.DEEPSPEED_NODE_RANK_ENV
-    assert getattr(deepspeed.constants, "CROSS_RANK", None) == node_rank and "current_env[CROSS_RANK]" in source, (
+    by_constant = getattr(deepspeed.constants, "CROSS_RANK", None) == node_rank and "current_env[CROSS_RANK]" in source
+    assert by_constant or f'current_env["{node_rank}"]' in source, (  # 0.19 / 0.16
         f"{DEEPSPEED} changed deepspeed.launcher.launch: it no longer sets {node_rank} for its ranks, used by"
         " launch/environments.py's DeepSpeedLauncherEnvironment.node_rank. Find the new variable and update"
         " _compat.DEEPSPEED_NODE_RANK_ENV."
@@ -256,13 +261,21 @@ def test_deepspeed_runner_accepts_the_flags_the_plan_passes(tmp_path: Path, case
 
 # ==================================================================== checkpoints (lightning_gaudi_ds.checkpoint)
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
-def test_checkpoint_file_names_are_deepspeeds(zero_stage: int) -> None:
+def test_checkpoint_file_names_are_deepspeeds(zero_stage: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    import deepspeed.runtime.engine as ds_engine
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     engine = SimpleNamespace(checkpoint_mp_rank=1, zero_optimization_partition_weights=lambda: zero_stage == 3,
                              _get_zero_ckpt_prefix=lambda dp, bf16_mode: DeepSpeedEngine._get_zero_ckpt_prefix(
-                                 None, dp, bf16_mode))
-    model = Path(DeepSpeedEngine._get_ckpt_name(engine, "root", "tag", pp_placeholder="3")).name
+                                 None, dp, bf16_mode),
+                             # DeepSpeed 0.16 asks the model-parallel unit and the process group for the ranks
+                             mpu=SimpleNamespace(get_model_parallel_rank=lambda: 1), load_universal_checkpoint=lambda:
+                             False, optimizer=SimpleNamespace(dp_process_group=None))
+    if "pp_placeholder" in inspect.signature(DeepSpeedEngine._get_ckpt_name).parameters:  # 0.19
+        model = Path(DeepSpeedEngine._get_ckpt_name(engine, "root", "tag", pp_placeholder="3")).name
+    else:
+        monkeypatch.setattr(ds_engine.dist, "get_rank", lambda group=None: 3)
+        model = Path(DeepSpeedEngine._get_ckpt_name(engine, "root", "tag")).name
     assert model == _compat.model_states_name(zero_stage, 3, 1), (
         f"{DEEPSPEED} renamed its model-states files (DeepSpeedEngine._get_ckpt_name): update"
         " _compat.model_states_name")
@@ -276,10 +289,11 @@ def test_checkpoint_file_names_are_deepspeeds(zero_stage: int) -> None:
 def test_model_states_metadata_keys_are_written_by_deepspeed() -> None:
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    source = inspect.getsource(DeepSpeedEngine._common_checkpoint_state)
+    writer = getattr(DeepSpeedEngine, "_common_checkpoint_state", None) or DeepSpeedEngine._save_checkpoint  # 0.19/0.16
+    source = inspect.getsource(writer)
     for key in ("ds_config", "dp_world_size", "mp_world_size"):
         assert f"{key}=" in source, (
-            f"{DEEPSPEED} no longer writes {key!r} into model-states files (DeepSpeedEngine._common_checkpoint_state):"
+            f"{DEEPSPEED} no longer writes {key!r} into model-states files (DeepSpeedEngine.{writer.__name__}):"
             " update _compat.model_states_meta")
     state = {"ds_config": {"zero_optimization": {"stage": 3}}, "dp_world_size": 4, "mp_world_size": 1}
     assert _compat.model_states_meta(state) == (3, 4, 1)
@@ -417,13 +431,19 @@ def test_tensor_parallel_layers_and_row_parallel_lm_head() -> None:
 
     from lightning_gaudi_ds._compat import lm_head_allreduce, tensor_parallel_layer_class
 
+    from lightning_gaudi_ds._compat import tensor_parallel_config_keys
+
     base = tensor_parallel_layer_class()
     for name in ("LinearLayer", "LinearAllreduce", "LmHeadLinearAllreduce"):
         cls = _attr("deepspeed.module_inject.layers", name, DEEPSPEED, "engine.inference.is_split / lm_head split")
-        assert issubclass(cls, base), f"{DEEPSPEED}: {name} no longer derives from TensorParallel_Layer"
-    _attr("deepspeed.module_inject.tp_shard", "AutoTPMeta", DEEPSPEED, "engine.inference (lm_head shard sizes)")
+        assert issubclass(cls, base), f"{DEEPSPEED}: {name} is no longer one of the tensor-parallel layer classes"
+    if isinstance(base, tuple):  # 0.16: the weight is cut by tp_shard's rule before the layer is built
+        _attr("deepspeed.module_inject.tp_shard", "get_shard_size_list", DEEPSPEED, "engine.inference (lm_head)")
+    else:
+        _attr("deepspeed.module_inject.tp_shard", "AutoTPMeta", DEEPSPEED, "engine.inference (lm_head shard sizes)")
     head = lm_head_allreduce(torch.nn.Linear(8, 16, bias=False), None, None, 4)  # no group: one rank keeps it all
     assert isinstance(head, base) and tuple(head.weight.shape) == (16, 8)
+    assert {"tp_size", "enabled", "tp_group", "mpu"} <= set(tensor_parallel_config_keys())
 
 
 # ================================================================ memory planner (planner)

@@ -195,6 +195,8 @@ def setup_environment_only(strategy, monkeypatch):
 
 
 def test_deterministic_mode_forced_before_the_trainer_is_reported(gaudi, monkeypatch):
+    if hpu_double.deepspeed_hpu_determinism() == "hpu":
+        pytest.skip("this DeepSpeed (upstream 0.16) sets the bridge's mode (hpu.setDeterministic), not torch's")
     # The double let DeepSpeed pick its HPU accelerator at install, as importing DeepSpeed on a Gaudi does:
     # deterministic mode is already on, and the strategy has no accelerator to switch.
     monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)  # the fork leaves it on
@@ -205,6 +207,8 @@ def test_deterministic_mode_forced_before_the_trainer_is_reported(gaudi, monkeyp
 
 
 def test_deterministic_mode_forced_at_selection_is_reported(clean_env, monkeypatch):
+    if hpu_double.deepspeed_hpu_determinism() == "hpu":
+        pytest.skip("this DeepSpeed (upstream 0.16) sets the bridge's mode (hpu.setDeterministic), not torch's")
     hpu_double.install(clean_env, deepspeed_detects=False)  # DeepSpeed imported before the stack: CPU accelerator
     torch.use_deterministic_algorithms(False)
     trainer = hpu_trainer()
@@ -248,11 +252,27 @@ def test_double_copies_mpirun_ranks_at_import_like_hccl(clean_env):
 
 def test_double_lets_deepspeed_detect_hpu_with_its_side_effects(clean_env):
     torch.use_deterministic_algorithms(False)
-    hpu_double.install(clean_env)
+    double = hpu_double.install(clean_env)
     from deepspeed.accelerator import get_accelerator
 
     assert get_accelerator()._name == "hpu" and get_accelerator().get_compile_backend() == "hpu_backend"
-    assert torch.are_deterministic_algorithms_enabled()
+    if hpu_double.deepspeed_hpu_determinism() == "hpu":
+        assert double.deterministic and not torch.are_deterministic_algorithms_enabled()
+    else:
+        assert torch.are_deterministic_algorithms_enabled() and not double.deterministic
+
+
+@pytest.mark.parametrize("api", ["1", "0"])
+def test_fork_determinism_variable(clean_env, api):
+    """Habana's fork: DEEPSPEED_USE_HABANA_FRAMEWORKS_DETERMINISTIC_API=1 makes its accelerator call the bridge's
+    hpu.setDeterministic instead of turning torch's mode on; every other DeepSpeed ignores the variable."""
+    torch.use_deterministic_algorithms(False)
+    clean_env.setenv("DEEPSPEED_USE_HABANA_FRAMEWORKS_DETERMINISTIC_API", api)
+    expected = hpu_double.deepspeed_hpu_determinism()
+    double = hpu_double.install(clean_env)
+    assert double.deterministic is (expected == "hpu")
+    assert torch.are_deterministic_algorithms_enabled() is (expected == "torch")
+    assert "DEEPSPEED_USE_HABANA_FRAMEWORKS_DETERMINISTIC_API" in hpu.MPI_FORWARD_NAMES  # mpirun forwards it
 
 
 def test_double_hccl_refuses_cpu_tensors(gaudi):

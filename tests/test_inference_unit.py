@@ -292,11 +292,19 @@ def test_distributed_sampler_gives_the_group_the_same_batches():
 from tests.test_hpu_wiring import clean_env, gaudi  # noqa: E402,F401  (fixtures)
 
 
-def test_enable_cuda_graph_means_hpu_graphs_on_gaudi(gaudi, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("mode", ["lazy", "eager"])
+def test_enable_cuda_graph_means_hpu_graphs_on_gaudi_in_lazy_mode(clean_env, monkeypatch, mode):  # noqa: F811
+    """Gaudi's enable_cuda_graph is an HPU graph around the split module, in lazy mode only (as Habana's fork's
+    HPU_Accelerator.wrap_in_hpu_graph); eager mode warns and runs the module as it is."""
     import deepspeed
 
+    from tests import hpu_double
+
+    clean_env.setenv("PT_HPU_LAZY_MODE", "1" if mode == "lazy" else "0")
+    gaudi = hpu_double.install(clean_env)
     trainer = L.Trainer(accelerator="hpu", devices=2, precision="bf16-mixed", logger=False,
-                        strategy=HPUDeepSpeedStrategy(tensor_parallel={"tp_size": 2}, enable_cuda_graph=True))
+                        strategy=HPUDeepSpeedStrategy(tensor_parallel={"tp_size": 2}, enable_cuda_graph=True,
+                                                      hpu_mode=mode))
     strategy = trainer.strategy
     assert strategy._inference_dtype == torch.bfloat16
 
@@ -305,20 +313,23 @@ def test_enable_cuda_graph_means_hpu_graphs_on_gaudi(gaudi, monkeypatch):  # noq
             gaudi.record("init_inference", config)
             self.module, self.mp_group = model, None
 
-    graphs = sys.modules["habana_frameworks.torch.hpu"]
-    monkeypatch.setattr(graphs, "wrap_in_hpu_graph", lambda m: gaudi.record("wrap_in_hpu_graph", m) or ("graph", m),
-                        raising=False)
     monkeypatch.setattr(deepspeed, "init_inference", lambda model, config: Engine(model, config))
     lm, gpt = _gpt()
     strategy._inference = dataclasses.replace(strategy._inference, injection_policy={lm.Block: ("attn.proj", "mlp.2")})
     monkeypatch.setattr(type(strategy), "world_size", property(lambda self: 2))
-    strategy._initialize_deepspeed_inference(gpt)
-    (name, config), (wrapped, module) = gaudi.calls[-2:]
-    assert (name, wrapped) == ("init_inference", "wrap_in_hpu_graph") and module is gpt
-    # DeepSpeed's own CUDA-graph path stays off (it refuses tp_size > 1); the split module is an HPU graph
+    if mode == "lazy":
+        strategy._initialize_deepspeed_inference(gpt)
+        (name, config), (wrapped, module) = gaudi.calls[-2:]
+        assert (name, wrapped) == ("init_inference", "wrap_in_hpu_graph") and module is gpt
+    else:
+        with pytest.warns(UserWarning, match="HPU graphs, which need lazy mode"):
+            strategy._initialize_deepspeed_inference(gpt)
+        name, config = gaudi.calls[-1]
+        assert name == "init_inference" and "wrap_in_hpu_graph" not in gaudi.names()
+    # DeepSpeed's own CUDA-graph path stays off (it refuses tp_size > 1)
     assert config["enable_cuda_graph"] is False and config["dtype"] == torch.bfloat16
     assert config["tensor_parallel"] == {"tp_size": 2}
-    assert strategy.model.module == ("graph", gpt)
+    assert strategy.model.module is gpt
 
 
 def test_benchmark_summary_ratios_against_tp1():

@@ -19,7 +19,12 @@ from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from lightning_gaudi_ds._compat import deepspeed_removed_config_keys
+from lightning_gaudi_ds._compat import (
+    deepspeed_reads_config_key,
+    deepspeed_removed_config_keys,
+    deepspeed_version,
+    precision_config_models,
+)
 from lightning_gaudi_ds.config.keys import (
     AUTO,
     AUTO_KEYS,
@@ -175,6 +180,9 @@ def validate_config(config: Mapping[str, Any], source: str = "dict") -> None:
             problems.append(f"{key}: removed from DeepSpeed. {removed_top[key]}")
         elif key not in top:
             problems.append(_unknown(key, top, "", suggest=len(problems) < MAX_PROBLEMS))
+        elif key in INLINE_KEYS and not deepspeed_reads_config_key(key):
+            problems.append(f"{key}: DeepSpeed {deepspeed_version()} does not read this key (later releases do), so"
+                            " it would have no effect. Remove it, or install a DeepSpeed that reads it.")
     section = config.get(ZERO)
     if section is not None and not isinstance(section, dict):
         fix = ' DeepSpeed\'s old boolean form means {"stage": 1}; write that.' if isinstance(section, bool) else ""
@@ -248,11 +256,9 @@ def _value_problems(config: Mapping[str, Any]) -> list[str]:
 
 
 def _section_models() -> dict[str, Any]:
-    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    return {ZERO: DeepSpeedZeroConfig, "bf16": DeepSpeedBF16Config, "bfloat16": DeepSpeedBF16Config,
-            "fp16": DeepSpeedFP16Config}
+    return {ZERO: DeepSpeedZeroConfig, **precision_config_models()}
 
 
 def _section_problems(config: Mapping[str, Any]) -> list[str]:

@@ -29,6 +29,7 @@ from lightning_gaudi_ds._compat import (
     lm_head_allreduce,
     remove_module_hooks,
     reset_zero3_trace_at_outer_forward_only,
+    tensor_parallel_config_keys,
     tensor_parallel_layer_class,
 )
 
@@ -42,8 +43,8 @@ INFERENCE_KEYS = (
     "replace_method",
     "enable_cuda_graph",
 )
-# DeepSpeedTPConfig fields a user may set; ``tp_group``/``mpu`` are ours to build.
-_TP_KEYS = ("tp_size", "tp_grain_size", "enabled")
+# DeepSpeedTPConfig fields the strategy builds (the groups); the user may set the others.
+_TP_BUILT = ("tp_group", "mpu")
 _DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "32": torch.float32,
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -159,11 +160,15 @@ def _tensor_parallel(value: Any) -> dict[str, Any]:
         raise MisconfigurationException(
             f"HPUDeepSpeedStrategy(tensor_parallel={value!r}): expected a dict such as {{'tp_size': 2}}."
         )
-    unknown = sorted(set(value) - set(_TP_KEYS))
+    allowed = [k for k in tensor_parallel_config_keys() if k not in _TP_BUILT]
+    unknown = sorted(set(value) - set(allowed))
     if unknown:
+        from lightning_gaudi_ds._compat import deepspeed_version
+
         raise MisconfigurationException(
-            f"HPUDeepSpeedStrategy(tensor_parallel={dict(value)!r}): unknown key(s) {unknown}; allowed:"
-            f" {', '.join(_TP_KEYS)}. The tensor-parallel group is built by the strategy (one group of all ranks)."
+            f"HPUDeepSpeedStrategy(tensor_parallel={dict(value)!r}): unknown key(s) {unknown}; DeepSpeed"
+            f" {deepspeed_version()} allows: {', '.join(allowed)}. The tensor-parallel groups are built by the"
+            " strategy (consecutive ranks)."
         )
     size = value.get("tp_size", 1)
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
