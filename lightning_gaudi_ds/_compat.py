@@ -57,6 +57,7 @@ __all__ = [
     "extensions_root",
     "forget_jit_extension",
     "is_unimplemented_builder",
+    "give_bf16_optimizer_zero_grad",
     "mark_step_wrapped_for_lr_scheduler",
     "precision_config_models",
     "model_states_meta",
@@ -231,6 +232,20 @@ def mark_step_wrapped_for_lr_scheduler(optimizer: Any) -> None:
 
     wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = wrapper
+
+
+def give_bf16_optimizer_zero_grad(optimizer: Any) -> None:
+    """Give DeepSpeed 0.16's ``BF16_Optimizer`` (ZeRO stage 0 in bf16) the ``zero_grad`` 0.17 added, which Lightning's
+    ``optimizer_zero_grad`` calls: clear the bf16 and the fp32 gradients (``clear_lp_grads``/``clear_hp_grads``, what
+    its own ``step`` does). Any other optimizer is left as it is."""
+    if hasattr(optimizer, "zero_grad") or not hasattr(optimizer, "clear_hp_grads"):
+        return
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        optimizer.clear_lp_grads()
+        optimizer.clear_hp_grads()
+
+    optimizer.zero_grad = zero_grad
 
 
 def set_process_group_timeout(timeout: Any) -> None:

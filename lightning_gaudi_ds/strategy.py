@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import functools
 import logging
 import os
@@ -47,6 +48,7 @@ from lightning_gaudi_ds._compat import (
     _StrategyRegistry,
     _validate_device_index_selection,
     attached_trainer,
+    give_bf16_optimizer_zero_grad,
     reset_zero3_trace_at_outer_forward_only,
     set_deepspeed_accelerator,
     train_dataloaders,
@@ -369,12 +371,13 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         lr_scheduler: Any | None = None,
     ) -> tuple[deepspeed.DeepSpeedEngine, Optimizer]:
         # A copy of Lightning 2.6.6's DeepSpeedStrategy._setup_model_and_optimizer, with the device rank from
-        # _deepspeed_args (CPU and HPU devices have no index).
+        # _deepspeed_args (CPU and HPU devices have no index), and a copy of the config: DeepSpeed 0.16 (Habana's
+        # fork) pops keys out of the dict it is given (optimizer.params' torch_adam, adam_w_mode).
         import deepspeed
 
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             args=self._deepspeed_args(),
-            config=self.config,
+            config=copy.deepcopy(self.config),
             model=model,
             model_parameters=[p for p in model.parameters() if p.requires_grad],
             optimizer=optimizer,
@@ -382,6 +385,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             dist_init_required=False,
         )
         reset_zero3_trace_at_outer_forward_only(engine)
+        give_bf16_optimizer_zero_grad(ds_optimizer)
         return engine, ds_optimizer
 
     @override

@@ -429,9 +429,7 @@ def test_autotp_parser_refuses_a_model_it_cannot_split() -> None:
 def test_tensor_parallel_layers_and_row_parallel_lm_head() -> None:
     import torch
 
-    from lightning_gaudi_ds._compat import lm_head_allreduce, tensor_parallel_layer_class
-
-    from lightning_gaudi_ds._compat import tensor_parallel_config_keys
+    from lightning_gaudi_ds._compat import lm_head_allreduce, tensor_parallel_config_keys, tensor_parallel_layer_class
 
     base = tensor_parallel_layer_class()
     for name in ("LinearLayer", "LinearAllreduce", "LmHeadLinearAllreduce"):
@@ -451,3 +449,65 @@ def test_torch_dispatch_mode() -> None:
     mode = _attr("torch.utils._python_dispatch", "TorchDispatchMode", TORCH,
                  "planning.activations.HostPeak (activation and peak memory measured on CPU)")
     assert hasattr(mode, "__torch_dispatch__") and hasattr(mode, "__enter__")
+
+
+# ====================================================================== DeepSpeed 0.16 (Habana's fork) surface
+def test_bf16_optimizer_gets_a_zero_grad_where_it_has_none() -> None:
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    from lightning_gaudi_ds._compat import give_bf16_optimizer_zero_grad
+
+    used_by = "_compat.give_bf16_optimizer_zero_grad (Lightning's optimizer_zero_grad under ZeRO-0 bf16)"
+    if not hasattr(BF16_Optimizer, "zero_grad"):  # DeepSpeed 0.16: what the given zero_grad calls must exist
+        for name in ("clear_lp_grads", "clear_hp_grads"):
+            assert hasattr(BF16_Optimizer, name), f"{DEEPSPEED} removed BF16_Optimizer.{name}; {used_by}"
+    calls: list[str] = []
+    bare = SimpleNamespace(clear_lp_grads=lambda: calls.append("lp"), clear_hp_grads=lambda: calls.append("hp"))
+    give_bf16_optimizer_zero_grad(bare)
+    bare.zero_grad()
+    assert calls == ["lp", "hp"]
+    own = SimpleNamespace(zero_grad=lambda set_to_none=True: calls.append("own"), clear_hp_grads=lambda: None)
+    give_bf16_optimizer_zero_grad(own)
+    own.zero_grad()
+    assert calls[-1] == "own"  # an optimizer with its own zero_grad keeps it
+
+
+def test_precision_config_models_check_the_keys_this_deepspeed_reads() -> None:
+    from pydantic import ValidationError
+
+    from lightning_gaudi_ds._compat import precision_config_models
+
+    models = precision_config_models()
+    assert models["bf16"] is models["bfloat16"]
+    assert {"enabled"} <= set(models["bf16"].model_fields)
+    assert {"enabled", "loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale"} <= set(
+        models["fp16"].model_fields)
+    models["fp16"](enabled=True, loss_scale=0, loss_scale_window=100)
+    with pytest.raises(ValidationError):
+        models["bf16"](enabeld=True)
+
+
+def test_the_engine_gets_a_copy_of_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed 0.16 pops torch_adam/adam_w_mode out of the optimizer params of the dict it is given: a second
+    engine from the same strategy (a second fit, an evaluation engine) must still see them."""
+    import deepspeed
+    import torch
+
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+
+    strategy = HPUDeepSpeedStrategy(config={
+        "optimizer": {"type": "Adam", "params": {"lr": 0.1, "torch_adam": True}},
+        "zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 1})
+    given = []
+
+    def initialize(**kwargs):
+        given.append(kwargs["config"])
+        kwargs["config"]["optimizer"]["params"].pop("torch_adam")  # what DeepSpeed 0.16's engine does
+        return SimpleNamespace(optimizer=None), SimpleNamespace(), None, None
+
+    monkeypatch.setattr(deepspeed, "initialize", initialize)
+    monkeypatch.setattr(strategy, "_deepspeed_args", lambda: None)
+    for _ in range(2):
+        strategy._setup_model_and_optimizer(torch.nn.Linear(2, 2), None)
+    assert given[0] is not strategy.config and strategy.config["optimizer"]["params"]["torch_adam"] is True
+    assert "torch_adam" not in given[0]["optimizer"]["params"] and len(given) == 2

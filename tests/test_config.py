@@ -15,8 +15,8 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from lightning_gaudi_ds._compat import deepspeed_reads_config_key, deepspeed_removed_config_keys
 from lightning_gaudi_ds import config as dsc
+from lightning_gaudi_ds._compat import deepspeed_reads_config_key, deepspeed_removed_config_keys
 from lightning_gaudi_ds.config import AUTO, AutoContext, ConfigError, load_config, resolve_config, validate_config
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "configs"

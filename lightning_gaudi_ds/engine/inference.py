@@ -13,6 +13,7 @@ them and calls in. Errors are Lightning's ``MisconfigurationException`` and name
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import os
@@ -462,10 +463,10 @@ def init_zero_engine(model: Module, config: Mapping[str, Any], args: Any, *, zer
     inference_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
     for key in ("fp16", "bf16"):
         if key in config:
-            inference_config[key] = config[key]
+            inference_config[key] = copy.deepcopy(config[key])  # DeepSpeed 0.16 edits the config it is given
     if zero_stage_3:
         inference_config["zero_allow_untested_optimizer"] = config.get("zero_allow_untested_optimizer", True)
-        inference_config["zero_optimization"] = config["zero_optimization"]
+        inference_config["zero_optimization"] = copy.deepcopy(config["zero_optimization"])
     remove_module_hooks(model)
     engine, _, _, _ = deepspeed.initialize(
         args=args,
