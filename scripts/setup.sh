@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: a virtual environment in .venv with the CPU build of torch,
 # the package with its test extra, and what the tests need from Debian. Sourced by train.sh and test.sh.
+# LIGHTNING_GAUDI_DS_DEEPSPEED=0.16.1 sets up .venv-deepspeed-0.16.1 with that DeepSpeed instead (test.sh --deepspeed).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
@@ -16,18 +17,20 @@ if ! command -v mpirun >/dev/null 2>&1; then
     echo "setup.sh: no mpirun and no apt-get: install Open MPI yourself for --use_mpi and its tests" >&2
   fi
 fi
-if [ ! -x .venv/bin/pip ]; then  # pip, not python: a half-made venv (no ensurepip) is made again
-  rm -rf .venv
-  "$PY" -m venv .venv
+DS_PIN=${LIGHTNING_GAUDI_DS_DEEPSPEED:-}
+VENV=.venv${DS_PIN:+-deepspeed-$DS_PIN}
+if [ ! -x "$VENV/bin/pip" ]; then  # pip, not python: a half-made venv (no ensurepip) is made again
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
 fi
 # shellcheck disable=SC1091
-. .venv/bin/activate
+. "$VENV/bin/activate"
 # pip's own failures stop the script (pipefail); only this machine's harmless index-location warnings are hidden.
 pipq() { python -m pip install -q "$@" 2>&1 | { grep -v '^WARNING: Location' || true; }; }
 pipq --upgrade pip
 # Pin torch here only (a CPU build); the package's own range stays loose for Habana's and CUDA torch.
 pipq "torch==2.13.0"
-pipq -e ".[test,examples]"  # examples: train.sh's CLI and its loss curve
+pipq -e ".[test,examples]" ${DS_PIN:+"deepspeed==$DS_PIN"}  # examples: train.sh's CLI and its loss curve
 # DeepSpeed's C++ ops that it would otherwise JIT-compile on first use (the CPU shm comm op, cpu_adam for
 # ZeRO-Offload), built now so a first training run starts as fast as later ones; a no-op once built.
 # Without a compiler training still works (plain torch.distributed collectives). Skip: LIGHTNING_GAUDI_DS_SKIP_OP_BUILD=1
