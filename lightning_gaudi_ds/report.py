@@ -10,6 +10,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -57,6 +58,16 @@ def _version(dist: str) -> str | None:
         return None
 
 
+_FORK_RELEASE = re.compile(r"\+hpu\.synapse\.v(?P<release>[0-9][0-9.]*[0-9])")
+
+
+def habana_fork_release(deepspeed_version: str | None) -> str | None:
+    """The release of Habana's DeepSpeed fork (``"1.21.0"``) from its version string (``0.16.1+hpu.synapse.v1.21.0``:
+    the fork's setup.py appends its build.txt), or None for upstream DeepSpeed."""
+    match = _FORK_RELEASE.search(deepspeed_version or "")
+    return match["release"] if match else None
+
+
 def _compiler() -> str:
     cxx = os.environ.get("CXX", "c++")
     path = shutil.which(cxx.split()[0])
@@ -92,6 +103,7 @@ def collect() -> dict[str, Any]:
                                                                                      if torch.version.hip else "cpu"),
             "lightning": _version("lightning"),
             "deepspeed": _version("deepspeed"),
+            "habana_deepspeed_fork": habana_fork_release(_version("deepspeed")),
             "habana_frameworks": (_version("habana-torch-plugin") or "installed") if habana_frameworks_installed()
             else None,
         },
@@ -136,7 +148,8 @@ def render(info: dict[str, Any]) -> str:
         f" DeepSpeed accelerator {info['deepspeed_accelerator']})",
         f"torch                 {v['torch']} ({v['torch_build']})",
         f"lightning             {v['lightning']}",
-        f"deepspeed             {v['deepspeed']}",
+        f"deepspeed             {v['deepspeed']}"
+        + (f" (Habana's fork, release {v['habana_deepspeed_fork']})" if v["habana_deepspeed_fork"] else " (upstream)"),
         f"habana_frameworks     {v['habana_frameworks'] or 'not installed'}",
         f"C++ compiler          {info['compiler']}",
         f"ninja                 {info['ninja'] or 'not found'}",

@@ -448,6 +448,19 @@ def test_env_report_names_ops_and_a_stale_lock(ext_dir: Path, capsys: pytest.Cap
     assert "removed a stale" in capsys.readouterr().out
 
 
+def test_env_report_says_whether_deepspeed_is_habanas_fork() -> None:
+    from lightning_gaudi_ds import report
+
+    assert report.habana_fork_release("0.16.1+hpu.synapse.v1.21.0") == "1.21.0"
+    assert report.habana_fork_release("0.16.1+hpu.synapse.v1.20.0") == "1.20.0"
+    assert report.habana_fork_release("0.16.1") is None and report.habana_fork_release(None) is None
+    info = report.collect()
+    assert info["versions"]["habana_deepspeed_fork"] == report.habana_fork_release(info["versions"]["deepspeed"])
+    line = next(x for x in report.render(info).splitlines() if x.startswith("deepspeed "))
+    fork = info["versions"]["habana_deepspeed_fork"]
+    assert line.endswith(f"(Habana's fork, release {fork})" if fork else "(upstream)")
+
+
 @pytest.mark.multiprocess
 def test_prebuild_without_a_compiler_fails_clearly(ext_dir: Path) -> None:
     result = run_job([sys.executable, "-m", "lightning_gaudi_ds.jit_ops", "build", build.SHM_COMM], timeout=300,
