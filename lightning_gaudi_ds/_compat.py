@@ -58,6 +58,7 @@ __all__ = [
     "forget_jit_extension",
     "is_unimplemented_builder",
     "give_bf16_optimizer_zero_grad",
+    "zero3_backward_requires_training_mode",
     "mark_step_wrapped_for_lr_scheduler",
     "precision_config_models",
     "model_states_meta",
@@ -232,6 +233,17 @@ def mark_step_wrapped_for_lr_scheduler(optimizer: Any) -> None:
 
     wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = wrapper
+
+
+@functools.cache
+def zero3_backward_requires_training_mode() -> bool:
+    """Whether this DeepSpeed's ZeRO-3 backward hooks assert ``sub_module.training`` (Habana's fork 1.20/1.21 does;
+    upstream has the assertion commented out): backward through a module in eval mode then fails."""
+    import re
+
+    from deepspeed.runtime.zero import parameter_offload
+
+    return re.search(r"^\s*assert sub_module\.training", inspect.getsource(parameter_offload), re.M) is not None
 
 
 def give_bf16_optimizer_zero_grad(optimizer: Any) -> None:

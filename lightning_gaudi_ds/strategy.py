@@ -601,6 +601,10 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        if self.zero_stage_3 and self.lightning_module is not None:
+            warning = train.eval_mode_warning(self.lightning_module)
+            if warning:
+                rank_zero_warn(warning)
         # Published only now: a file in the logger's directory before training starts would make CSVLogger warn
         # that the directory "exists and is not empty".
         trainer = attached_trainer(self.lightning_module)

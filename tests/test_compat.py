@@ -511,3 +511,17 @@ def test_the_engine_gets_a_copy_of_the_config(monkeypatch: pytest.MonkeyPatch) -
         strategy._setup_model_and_optimizer(torch.nn.Linear(2, 2), None)
     assert given[0] is not strategy.config and strategy.config["optimizer"]["params"]["torch_adam"] is True
     assert "torch_adam" not in given[0]["optimizer"]["params"] and len(given) == 2
+
+
+def test_zero3_training_mode_assertion_is_read_from_deepspeed() -> None:
+    from deepspeed.runtime.zero import parameter_offload
+
+    from lightning_gaudi_ds._compat import zero3_backward_requires_training_mode
+
+    source = inspect.getsource(parameter_offload)
+    assert "sub_module.training" in source, (
+        f"{DEEPSPEED} no longer mentions sub_module.training in ZeRO-3's backward hooks;"
+        " _compat.zero3_backward_requires_training_mode (the fork's eval-mode assertion) reads it")
+    fork = "DEEPSPEED_USE_HABANA_FRAMEWORKS_DETERMINISTIC_API" in inspect.getsource(
+        __import__("deepspeed.accelerator.hpu_accelerator", fromlist=["x"]))
+    assert zero3_backward_requires_training_mode() is fork  # the fork asserts; upstream has it commented out

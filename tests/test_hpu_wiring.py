@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 import deepspeed  # noqa: F401  (the double lets DeepSpeed's accelerator detection run again, as on a Gaudi)
 import lightning as L
@@ -488,3 +489,28 @@ def test_strategy_setup_keeps_tied_weights_across_the_move(gaudi, monkeypatch):
     trainer.strategy.setup(trainer)
     assert ("module.to", torch.device("hpu")) in gaudi.calls
     assert model.lm.head.weight is model.lm.embed.weight
+
+
+# ------------------------------------------------------------------ Habana's DeepSpeed fork (1.20.0, 1.21.0)
+class FrozenEvalTeacher(Tiny):
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher = torch.nn.Linear(4, 4).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("fork", [True, False], ids=["fork-asserts", "upstream"])
+def test_zero3_eval_mode_submodule_is_named_where_the_fork_would_assert(gaudi, monkeypatch, fork):
+    """The fork's ZeRO-3 backward asserts sub_module.training; the strategy names eval-mode submodules when training
+    starts, on that DeepSpeed only (the real check reads DeepSpeed's source: tests/test_compat.py)."""
+    from lightning_gaudi_ds import _compat
+
+    monkeypatch.setattr(_compat, "zero3_backward_requires_training_mode", lambda: fork)
+    strategy = hpu_trainer(strategy=HPUDeepSpeedStrategy(stage=3)).strategy
+    strategy._lightning_module = FrozenEvalTeacher()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        strategy.on_train_start()
+    named = [w for w in seen if "backward pass is invalid for module in evaluation mode" in str(w.message)]
+    assert bool(named) is fork
+    if fork:
+        assert "1 submodule(s) are in eval mode: teacher" in str(named[0].message)

@@ -130,3 +130,19 @@ def single_optimizer(
             " optimizer (use parameter groups for different settings)."
         )
     return optimizers[0], schedulers[0] if schedulers else None
+
+
+def eval_mode_warning(module: torch.nn.Module) -> str | None:
+    """Under ZeRO-3 on a DeepSpeed whose backward asserts training mode (Habana's fork), what to tell the user about
+    ``module``'s submodules left in eval mode at the start of training; None when there are none or it is safe."""
+    from lightning_gaudi_ds._compat import zero3_backward_requires_training_mode
+
+    names = [name for name, sub in module.named_modules() if name and not sub.training]
+    if not names or not zero3_backward_requires_training_mode():
+        return None
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return (
+        f"ZeRO-3 on this DeepSpeed (Habana's fork) fails backward through a module in eval mode (\"backward pass is"
+        f" invalid for module in evaluation mode\"), and {len(names)} submodule(s) are in eval mode: {shown}. If"
+        " gradients flow through them, keep them in train mode (freeze them with requires_grad_(False) instead)."
+    )
