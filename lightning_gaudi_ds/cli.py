@@ -1,9 +1,9 @@
 """``lightning-gaudi-ds`` console script (also ``python -m lightning_gaudi_ds``).
 
 Every sub-command is declared in :data:`COMMANDS`: its help line and the module that owns it, which exposes
-``add_arguments(parser)`` and ``run(args) -> int``. That module is imported only when its sub-command is parsed,
-so ``lightning-gaudi-ds --help`` and ``lightning-gaudi-ds spawn --help`` import neither torch nor DeepSpeed.
-Adding a sub-command is one entry.
+``add_arguments(parser)``, ``run(args) -> int`` and optionally ``prepare_args(argv) -> argv``. That module is
+imported only when its sub-command is parsed, so ``lightning-gaudi-ds --help`` and ``lightning-gaudi-ds spawn --help``
+import neither torch nor DeepSpeed. Adding a sub-command is one entry.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 
@@ -38,6 +38,7 @@ class _SubcommandParser(argparse.ArgumentParser):
     def __init__(self, *args: Any, module: str = "", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._module_name: str | None = module or None
+        self._prepare: Callable[[list[str]], list[str]] | None = None  # the module's prepare_args, if any
 
     def _declare(self) -> None:
         if self._module_name is not None:
@@ -45,9 +46,12 @@ class _SubcommandParser(argparse.ArgumentParser):
             self._module_name = None
             module.add_arguments(self)
             self.set_defaults(_run=module.run)
+            self._prepare = getattr(module, "prepare_args", None)
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         self._declare()
+        if args is not None and self._prepare is not None:  # e.g. negative numbers as values (plan)
+            args = self._prepare(list(args))
         return super().parse_known_args(args, namespace)
 
     def format_help(self) -> str:

@@ -91,3 +91,41 @@ class LightningCLI(_LightningCLI):
         trainer = config.get("trainer") if config is not None else None
         if trainer is not None:
             check_trainer_arguments(trainer.get("strategy"), trainer.get("precision"), trainer.get("accelerator"))
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError:
+            own = self._strategy_error()
+            if own is None:
+                raise
+            raise own from None
+
+    def _strategy_error(self) -> Exception | None:
+        """jsonargparse reports a strategy that refused its arguments under the Union of ``Trainer(strategy=)``'s
+        types, in some 50 lines that begin with "Expected a <class 'str'>": build the strategy again from the parsed
+        ``init_args`` to raise its own error, the first line the user reads."""
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+        config: Any = self.config.get(self.subcommand) if self.subcommand else self.config
+        trainer = config.get("trainer") if config is not None else None
+        strategy = trainer.get("strategy") if trainer is not None else None
+        if isinstance(strategy, (str, Strategy)) or strategy is None or not _is_own_strategy(strategy):
+            return None
+        class_path = strategy.get("class_path")
+        init_args = strategy.get("init_args")
+        kwargs = dict(init_args.as_dict() if hasattr(init_args, "as_dict") else init_args or {})
+        if any(isinstance(v, Mapping) and "class_path" in v for v in kwargs.values()):
+            return None  # an accelerator/plugin given by class: not rebuilt here
+        module, _, name = class_path.rpartition(".")
+        try:
+            getattr(importlib.import_module(module), name)(**kwargs)
+        except MisconfigurationException as err:
+            message = f"--trainer.strategy {class_path}: {err}"
+            try:
+                return type(err)(message)
+            except Exception:  # noqa: BLE001  (an exception type that takes other arguments)
+                return MisconfigurationException(message)
+        except Exception:  # noqa: BLE001  (another failure: jsonargparse's report stands)
+            return None
+        return None

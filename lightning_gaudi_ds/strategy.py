@@ -66,7 +66,12 @@ from lightning_gaudi_ds.config import (
     publish_resolved,
     shared_batch_size,
 )
-from lightning_gaudi_ds.config.validate import check_offload, check_trainer_flags
+from lightning_gaudi_ds.config.validate import (
+    check_argument_config,
+    check_offload,
+    check_remote_device,
+    check_trainer_flags,
+)
 from lightning_gaudi_ds.devices import (
     DeviceSpec,
     device_spec,
@@ -76,7 +81,11 @@ from lightning_gaudi_ds.devices import (
 from lightning_gaudi_ds.engine import checkpointing, inference, train
 from lightning_gaudi_ds.engine.device import DeviceRuntime, hccl_reduce_input
 from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV, prepare_startup
-from lightning_gaudi_ds.launch.environments import check_launcher_world_size, resolve_environment
+from lightning_gaudi_ds.launch.environments import (
+    check_launcher_world_size,
+    check_multi_node_environment,
+    resolve_environment,
+)
 from lightning_gaudi_ds.launch.rendezvous import bounded_rendezvous, rendezvous_timeout, waiting_message
 from lightning_gaudi_ds.planning import auto
 from lightning_gaudi_ds.planning.auto import AUTO, AutoStage
@@ -178,6 +187,17 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
                 " (0: no sharding, 1: optimizer states, 2: + gradients, 3: + parameters) or 'auto' (the fastest"
                 " that fits, chosen at setup)."
             )
+        for name, flag in (("offload_optimizer", offload_optimizer), ("offload_parameters", offload_parameters),
+                           ("measure_activations", measure_activations)):
+            if not isinstance(flag, bool):  # the string "false" would count as true
+                raise ConfigError(f"`HPUDeepSpeedStrategy({name}={flag!r})` is not a boolean; pass True or False.")
+        if number_checkpoints is not None and (isinstance(number_checkpoints, bool)
+                                               or not isinstance(number_checkpoints, int) or number_checkpoints < 1):
+            raise ConfigError(
+                f"`HPUDeepSpeedStrategy(number_checkpoints={number_checkpoints!r})`: pass the number of"
+                " deepspeed.checkpointing.checkpoint calls in one forward pass, a whole number >= 1, or None."
+            )
+        check_remote_device(remote_device)
         self._auto: AutoStage | None = auto.from_strategy_arguments(
             stage, device_memory, measure_activations, offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters,
@@ -206,8 +226,10 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             offload_parameters=offload_parameters, remote_device=remote_device, nvme_path=nvme_path,
             process_group_backend=process_group_backend, logging_level=logging_level, **kwargs,
         )
+        assert isinstance(self.config, dict)
+        if self._resolver.source is None:  # Lightning's config from the arguments: checked as a user's config is
+            check_argument_config(self.config)
         if self._auto is not None:
-            assert isinstance(self.config, dict)
             auto.mark_pending(self.config, config is not None, self._resolver.source)
         assert isinstance(self.config, dict)
         check_offload(self.config, explicit, offload_parameters, self._resolver.source)
@@ -256,6 +278,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             auto.check_device(self._auto, self.parallel_devices[0].type)
         if self.num_nodes > 1:
             rendezvous_timeout()  # a bad LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT is refused before any process starts
+            check_multi_node_environment(self.cluster_environment, self.num_nodes)
         self._runtime.at_trainer(self.parallel_devices[0].type)
         self._validate_device_indices()
         assert isinstance(self.config, dict)

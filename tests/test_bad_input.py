@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lightning_gaudi_ds.launch import DistributedRunner
-from tests.procs import LiveJob, run_job
+from tests.procs import JobResult, LiveJob, run_job
 
 
 def _files(root: Path) -> list[Path]:
@@ -373,3 +373,222 @@ def test_convert_to_a_folder_that_cannot_be_made_is_one_line(tmp_path: Path, cap
     assert main(["convert", str(ckpt), str(tmp_path / "file" / "sub" / "model.pt")]) == 2
     assert f"error: writing {tmp_path / 'file' / 'sub' / 'model.pt'}: " in capsys.readouterr().out
     assert _files(tmp_path) == before
+
+
+# ------------------------------------------------------------------------------------------------ round 3 (issue 30)
+@pytest.mark.parametrize(
+    ("kwargs", "named", "allowed"),
+    [
+        ({"offload_optimizer": True, "offload_optimizer_device": "cpuu"}, "offload_optimizer_device='cpuu'",
+         "Input should be 'none', 'cpu' or 'nvme'"),
+        ({"reduce_bucket_size": -1}, "reduce_bucket_size=-1", "Input should be greater than 0"),
+        ({"remote_device": "gpu"}, "remote_device='gpu'", "Allowed: None (the training device, the default), 'cpu'"
+                                                          " or 'nvme'"),
+        ({"number_checkpoints": -1}, "number_checkpoints=-1", "a whole number >= 1, or None"),
+    ],
+    ids=["offload-cpuu", "bucket-negative", "remote-gpu", "checkpoints-negative"],
+)
+def test_strategy_arguments_are_validated_like_a_config(empty_cwd: Path, kwargs: dict, named: str,
+                                                         allowed: str) -> None:
+    import torch
+
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+    from lightning_gaudi_ds.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _trainer(empty_cwd, HPUDeepSpeedStrategy(stage=3, **kwargs), max_steps=1)
+    message = str(err.value)
+    assert named in message and allowed in message, message
+    assert len(message.splitlines()) <= 2 and "Traceback" not in message  # the problem, not pydantic's report
+    assert not torch.distributed.is_initialized()
+    assert _files(empty_cwd) == []
+
+
+def test_auto_stage_measure_activations_must_be_a_boolean(empty_cwd: Path) -> None:
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+    from lightning_gaudi_ds.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"measure_activations='false'\)` is not a boolean; pass True or False"):
+        _trainer(empty_cwd, HPUDeepSpeedStrategy(stage="auto", device_memory="1GiB", measure_activations="false"))
+    assert _files(empty_cwd) == []
+
+
+def test_bf16_enabled_yes_is_refused_at_construction_as_not_a_boolean(empty_cwd: Path) -> None:
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+    from lightning_gaudi_ds.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        HPUDeepSpeedStrategy(config={"bf16": {"enabled": "yes"}})  # before any Trainer exists
+    assert 'bf16.enabled: "yes" is not a boolean; write true, false or "auto"' in str(err.value)
+    assert _files(empty_cwd) == []
+
+
+_NODE_KEYS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK",
+              "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_JOB_NAME", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def test_num_nodes_2_with_no_cluster_environment_is_refused_at_once(empty_cwd: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+    from lightning_gaudi_ds.config import ConfigError
+
+    for key in _NODE_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ConfigError) as err:
+        _trainer(empty_cwd, HPUDeepSpeedStrategy(), num_nodes=2)
+    message = str(err.value)
+    assert "Trainer(num_nodes=2)" in message and "none of MASTER_ADDR, MASTER_PORT, NODE_RANK" in message
+    assert "lightning-gaudi-ds spawn --hostfile hosts" in message and "Trainer(num_nodes=1)" in message
+    assert not torch.distributed.is_initialized()
+    # Started by hand on every node (Lightning's documented way): the Trainer is built, the rendezvous waits
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("NODE_RANK", "1")
+    trainer = _trainer(empty_cwd, HPUDeepSpeedStrategy(), num_nodes=2)
+    assert (trainer.num_nodes, trainer.node_rank) == (2, 1)
+    assert _files(empty_cwd) == []
+
+
+def test_lightning_cli_lifts_the_strategys_own_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_gaudi_ds import LightningCLI
+
+    monkeypatch.setattr("sys.argv", ["train.py"])
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "ds.json").write_text('{"zero_optimization": {"stage": 2}}')
+    run = tmp_path / "configs" / "run.yaml"  # init_args.config relative to the YAML's folder, run from another one
+    run.write_text("trainer:\n  accelerator: cpu\n  strategy:\n"
+                   "    class_path: lightning_gaudi_ds.HPUDeepSpeedStrategy\n    init_args:\n      config: ds.json\n")
+    monkeypatch.chdir(tmp_path)
+    common = ["--trainer.logger", "false", "--trainer.enable_checkpointing", "false"]
+    cases = [
+        (["--config", str(run)], "path does not exist: 'ds.json'",
+         f"A relative path is read from the current directory, {tmp_path}."),
+        (["--trainer.accelerator", "cpu", "--trainer.strategy", "lightning_gaudi_ds.HPUDeepSpeedStrategy",
+          "--trainer.strategy.stage", "5"], "`HPUDeepSpeedStrategy(stage=5)` is not a ZeRO stage",
+         "Allowed: 0, 1, 2, 3"),
+    ]
+    for args, bad, allowed in cases:
+        with pytest.raises(ValueError) as err:
+            LightningCLI(BoringModel, args=common + args, run=False, save_config_callback=None)
+        message = str(err.value)
+        assert message.startswith("--trainer.strategy lightning_gaudi_ds.HPUDeepSpeedStrategy: "), message[:300]
+        assert bad in message and allowed in message and "Expected a <class 'str'>" not in message
+        assert err.value.__suppress_context__ and len(message.splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["configs", "ds.json", "run.yaml"]
+
+
+_PREDICT_WITH_POLICY = """
+import sys
+import lightning as L
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning_gaudi_ds import HPUDeepSpeedStrategy
+
+
+class Model(BoringModel):
+    def predict_step(self, batch):
+        print("PREDICT STEP RAN", flush=True)
+        return super().predict_step(batch)
+
+
+policy = {"class": {torch.nn.TransformerEncoderLayer: ("linear2",)}, "layer": {Model: ("no_such_linear",)}}[sys.argv[1]]
+trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                    strategy=HPUDeepSpeedStrategy(tensor_parallel={"tp_size": 1}, injection_policy=policy))
+trainer.predict(Model())
+print("PREDICTED")
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("which", "named"), [
+    ("class", "TransformerEncoderLayer: the model has no module of this class"),
+    ("layer", "Model: no linear layer named 'no_such_linear' (its linear layers: ['layer'])"),
+])
+def test_injection_policy_that_matches_nothing_is_refused_at_tp_size_1(tmp_path: Path, which: str,
+                                                                        named: str) -> None:
+    script = tmp_path / "predict.py"
+    script.write_text(_PREDICT_WITH_POLICY)
+    done = run_job([sys.executable, str(script), which], timeout=240, cwd=tmp_path)
+    assert not done.timed_out and done.returncode != 0, done.output[-3000:]
+    assert "injection_policy=...) does not match the model" in done.output and named in done.output, \
+        done.output[-3000:]
+    assert "PREDICT STEP RAN" not in done.output and "PREDICTED" not in done.output
+    assert _files(tmp_path) == [script]
+
+
+def _plan(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> JobResult:
+    return run_job([sys.executable, "-m", "lightning_gaudi_ds", "plan", *argv], timeout=120, cwd=cwd, env=env)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--params", "inf"], "argument --params: 'inf' is not allowed; pass a whole, finite number of trainable"
+                          " parameters > 0"),
+    (["--params", "nan"], "argument --params: 'nan' is not allowed"),
+    (["--params", "-7e9"], "argument --params: '-7e9' is not allowed"),
+    (["--params", "7e9", "--devices", "0"], "argument --devices: 0 is not allowed; pass a whole number >= 1"),
+    (["--params", "7e9", "--param-groups", "0"], "argument --param-groups: 0 is not allowed; pass a whole number"),
+    (["--params", "7e9", "--param-groups", "-3"], "argument --param-groups: -3 is not allowed"),
+    (["--params", "7e9", "--hidden-size", "-4096"], "argument --hidden-size: -4096 is not allowed; pass a whole"),
+    (["--params", "7e9", "--hidden-size", "0"], "argument --hidden-size: 0 is not allowed"),
+    (["--params", "7e9", "--device-memory", "-24GiB"], "--device-memory='-24GiB' must be a positive size. Use a"
+                                                       " number of bytes"),
+    (["--hf-config", "hf"], "hidden_size=-4096 is not allowed; a model size is a whole number >= 1"),
+    (["--model", "examples.train_lm"], "--model 'examples.train_lm' is a module; add ':ClassName' to name the model"
+                                       " class in it. The torch.nn.Module classes there: "),
+], ids=["params-inf", "params-nan", "params-negative", "devices-0", "groups-0", "groups-negative", "hidden-negative",
+        "hidden-0", "memory-negative", "hf-negative-hidden", "model-without-class"])
+def test_plan_refuses_bad_values_in_one_line(tmp_path: Path, argv: list[str], expected: str) -> None:
+    from tests.procs import REPO
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(
+        '{"model_type": "llama", "hidden_size": -4096, "num_hidden_layers": 2, "num_attention_heads": 32,'
+        ' "intermediate_size": 1000, "vocab_size": 1000}')
+    argv = [str(tmp_path / "hf") if a == "hf" else a for a in argv]
+    done = _plan(*argv, cwd=REPO if "--model" in argv else tmp_path)
+    lines = [line for line in done.output.splitlines() if "[WARNING]" not in line]  # DeepSpeed's import notice
+    assert done.returncode == 2 and len(lines) == 1, done.output[-3000:]
+    assert lines[0].startswith("lightning-gaudi-ds plan: error: ") and expected in lines[0], lines[0]
+    if "--model" in argv:
+        assert "examples.train_lm:GPT" in lines[0]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["config.json", "hf"]
+
+
+@pytest.mark.multiprocess
+def test_plan_on_cpu_says_to_pass_device_memory(tmp_path: Path) -> None:
+    done = _plan("--params", "1e9", "--devices", "2", cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})  # a CPU
+    assert done.returncode == 0 and "device memory ?" in done.output, done.output[-3000:]
+    assert "fits: no accelerator here to read the device memory from" in done.output
+    assert "pass --device-memory, the memory of one device (e.g. --device-memory 96GB)" in done.output
+    assert _files(tmp_path) == []
+
+
+@pytest.mark.multiprocess
+def test_spawn_log_dir_that_cannot_be_created_is_one_line(tmp_path: Path) -> None:
+    script = tmp_path / "ran.py"
+    script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
+    done = run_job([sys.executable, "-m", "lightning_gaudi_ds", "spawn", "--world_size", "2", "--master_port", "0",
+                    "--log_dir", "/proc/nope/logs", str(script)], timeout=60, cwd=tmp_path)
+    lines = done.output.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.output[-3000:]
+    assert "error: log_dir='/proc/nope/logs': " in lines[0] and "Traceback" not in done.output
+    assert "pass a directory you can write to" in lines[0]
+    assert _files(tmp_path) == [script]  # no rank ran
+
+
+@pytest.mark.multiprocess
+def test_num_nodes_2_alone_fails_at_once_without_waiting(tmp_path: Path) -> None:
+    script = tmp_path / "two_nodes.py"
+    script.write_text(_TWO_NODES)
+    # What a user's shell has: no launcher, no MASTER_ADDR/MASTER_PORT (job_env sets them for other tests)
+    done = run_job(["env", "-u", "MASTER_ADDR", "-u", "MASTER_PORT", sys.executable, str(script)], timeout=120,
+                   cwd=tmp_path)
+    assert not done.timed_out and done.returncode != 0, done.output[-3000:]
+    assert "Trainer(num_nodes=2), but this process runs on its own" in done.output, done.output[-3000:]
+    assert "waits for" not in done.output and "TRAINED" not in done.output
+    assert done.seconds < 60  # not the 600 s rendezvous time-out
+    assert _files(tmp_path) == [script]

@@ -405,11 +405,13 @@ def test_cli_plan_help_imports_no_torch():
     (["--model", "tests.test_planning:Built", "--init-args", "{bad"], "is not JSON"),
     (["--params", "1e9", "--measure-activations"], "needs the model itself"),
 ])
-def test_cli_bad_input(argv, match):
+def test_cli_bad_input(argv, match, capsys):
     from lightning_gaudi_ds.cli import main
 
-    with pytest.raises(SystemExit, match=match):
+    with pytest.raises(SystemExit) as exited:
         main(["plan", *argv, "--host-memory", "8GiB"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and match in err and err.startswith("lightning-gaudi-ds plan: error: "), err
 
 
 def test_device_memory_and_count_are_read_from_a_gaudi(monkeypatch):

@@ -102,9 +102,10 @@ def load_config(
         if path.is_dir():
             raise ConfigError(f"DeepSpeed config path {_quoted(str(path))}{where} is a directory; pass the JSON file in"
                               f" it (e.g. {str(path / 'ds_config.json')!r}) or a dict.")
+        relative = "" if path.is_absolute() else f" A relative path is read from the current directory, {os.getcwd()}."
         raise ConfigNotFoundError(
             f"You passed in a path to a DeepSpeed config but the path does not exist: {_quoted(str(path))}{where}."
-            f" Pass an existing JSON file or a dict, or unset {ENV_VAR}."
+            f" Pass an existing JSON file or a dict, or unset {ENV_VAR}.{relative}"
         )
     try:
         loaded = json.loads(path.read_text(), object_pairs_hook=_no_duplicate_keys)
@@ -172,6 +173,15 @@ def validate_config(config: Mapping[str, Any], source: str = "dict") -> None:
     keys removed from DeepSpeed, a ZeRO stage outside 0-3, ``bf16`` and ``fp16`` both enabled, and ``"auto"``
     where DeepSpeed cannot take it.
     """
+    problems = config_problems(config)
+    if problems:
+        misplaced_auto = any('"auto" is not' in p for p in problems)
+        note = f'Keys that may be "auto": {", ".join(AUTO_KEYS)}.' if misplaced_auto else ""
+        raise ConfigError(report(f"DeepSpeed config ({source}) is invalid", problems, note))
+
+
+def config_problems(config: Mapping[str, Any]) -> list[str]:
+    """What :func:`validate_config` reports, one ``"dotted.key: problem"`` line each."""
     top, zero = known_keys()
     removed_top, removed_zero = deepspeed_removed_config_keys()
     problems: list[str] = []
@@ -215,10 +225,7 @@ def validate_config(config: Mapping[str, Any], source: str = "dict") -> None:
     for key in iter_auto(config):
         if key not in AUTO_KEYS:
             problems.append(f'{key}: "auto" is not accepted here (DeepSpeed would receive the string); set a value.')
-    if problems:
-        misplaced_auto = any('"auto" is not' in p for p in problems)
-        note = f'Keys that may be "auto": {", ".join(AUTO_KEYS)}.' if misplaced_auto else ""
-        raise ConfigError(report(f"DeepSpeed config ({source}) is invalid", problems, note))
+    return problems
 
 
 # Top-level keys the strategy reads or resolves: (kind, lowest allowed value, what the value means).
@@ -243,6 +250,16 @@ def _value_problems(config: Mapping[str, Any]) -> list[str]:
             allowed = "a whole number" if kind is int else "a finite number"
             auto = ' or "auto"' if key in AUTO_KEYS else ""
             problems.append(f"{key}: {short(value)} is not allowed; pass {allowed} >= {low:g}{auto} ({meaning}).")
+    for key in ("bf16.enabled", "fp16.enabled"):  # pydantic would read "yes" or 1 as true
+        value = get(config, key)
+        if value is not MISSING and value != AUTO and not isinstance(value, bool):
+            problems.append(f'{key}: {short(value)} is not a boolean; write true, false or "auto" (Trainer(precision='
+                            "...) decides).")
+    count = get(config, "activation_checkpointing.number_checkpoints")
+    if count is not MISSING and count is not None and (isinstance(count, bool) or not isinstance(count, int)
+                                                        or count < 1):
+        problems.append(f"activation_checkpointing.number_checkpoints: {short(count)} is not allowed; pass a whole"
+                        " number >= 1 (deepspeed.checkpointing.checkpoint calls per forward pass) or leave it out.")
     for section in ("optimizer", "scheduler"):
         block = config.get(section, MISSING)
         if block is MISSING or block is None:

@@ -8,9 +8,9 @@ from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from lightning_gaudi_ds.config.keys import AUTO
+from lightning_gaudi_ds.config.keys import AUTO, STRATEGY_ARG_KEYS, report
 from lightning_gaudi_ds.config.keys import get as get_key
-from lightning_gaudi_ds.config.load import ConfigError, check_nvme
+from lightning_gaudi_ds.config.load import ConfigError, check_nvme, config_problems
 from lightning_gaudi_ds.config.resolve import strategy_arg_values
 
 
@@ -51,4 +51,40 @@ def check_trainer_flags(
             "DeepSpeed does not support clipping gradients by value (`Trainer(gradient_clip_algorithm='value')`);"
             f" it clips by norm only. Use `Trainer(gradient_clip_val={gradient_clip_val},"
             " gradient_clip_algorithm='norm')`."
+        )
+
+
+# Config keys Lightning's default config fills from arguments of another name (the rest: the key's last part).
+_ARGUMENT_OF_KEY = {
+    **{key: name for name, key in STRATEGY_ARG_KEYS.items()},
+    "zero_optimization.offload_optimizer.device": "offload_optimizer_device",
+    "zero_optimization.offload_optimizer.buffer_count": "optimizer_buffer_count",
+    "zero_optimization.offload_param.device": "offload_params_device",
+    "zero_optimization.offload_param.buffer_count": "params_buffer_count",
+    "zero_optimization.offload_param.buffer_size": "params_buffer_size",
+}
+
+
+def check_argument_config(config: Mapping[str, Any]) -> None:
+    """Validate the config built from ``HPUDeepSpeedStrategy``'s arguments as a user's config is
+    (:func:`~lightning_gaudi_ds.config.load.validate_config`), each problem named by the argument that set it."""
+    problems = []
+    for problem in config_problems(config):
+        key, sep, rest = problem.partition(": ")
+        value = get_key(config, key, None) if sep else None
+        if not sep or value is None or isinstance(value, Mapping):
+            problems.append(problem)
+            continue
+        name = _ARGUMENT_OF_KEY.get(key, key.rsplit(".", 1)[-1])
+        problems.append(f"HPUDeepSpeedStrategy({name}={value!r}) ({key}): {rest}")
+    if problems:
+        raise ConfigError(report("HPUDeepSpeedStrategy's arguments are invalid", problems))
+
+
+def check_remote_device(remote_device: Any) -> None:
+    """ZeRO-3 builds the parameters on the training device (None), on CPU or on NVMe (DeepSpeed's offload devices)."""
+    if remote_device not in (None, "none", "cpu", "nvme"):
+        raise ConfigError(
+            f"HPUDeepSpeedStrategy(remote_device={remote_device!r}) is not a device ZeRO-3 can create the parameters"
+            " on. Allowed: None (the training device, the default), 'cpu' or 'nvme'."
         )

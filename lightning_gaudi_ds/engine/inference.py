@@ -316,10 +316,12 @@ def check_world(settings: InferenceSettings, world_size: int, device_type: str) 
 
 def check_splittable(model: Module, settings: InferenceSettings) -> None:
     """Raise before DeepSpeed touches ``model`` if it cannot be split as asked (and say what to pass)."""
-    if not settings.tensor_parallel or settings.replace_with_kernel_inject or is_split(model):
+    if settings.replace_with_kernel_inject or is_split(model):
         return  # a module split by an earlier predict/validate/test in this process: DeepSpeed leaves it as it is
-    if settings.injection_policy:
+    if settings.injection_policy:  # at tp_size 1 too: a policy that names nothing in the model is a mistake
         _check_policy(model, settings.injection_policy)
+        return
+    if not settings.tensor_parallel:
         return
     hf = _contains_transformers_model(model)
     reason = None

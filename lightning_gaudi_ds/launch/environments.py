@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 
 from lightning.fabric.plugins.environments import (
     ClusterEnvironment,
@@ -22,6 +23,7 @@ from typing_extensions import override
 
 from lightning_gaudi_ds._compat import DEEPSPEED_LAUNCHER_ENV, DEEPSPEED_NODE_RANK_ENV
 from lightning_gaudi_ds.launch._proc import MPI_SIZE_KEYS
+from lightning_gaudi_ds.launch.rendezvous import HOW_TO_START
 
 log = logging.getLogger(__name__)
 
@@ -201,3 +203,25 @@ def _split(world_size: int, num_nodes: int) -> tuple[int, int]:
     if num_nodes > 0 and world_size % num_nodes == 0:
         return world_size // num_nodes, num_nodes
     return world_size, 1
+
+
+# What a hand-started multi-node run sets on every node for Lightning's default environment (Lightning's docs).
+_NODE_ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE")
+
+
+def check_multi_node_environment(env: ClusterEnvironment | None, num_nodes: int,
+                                 environ: Mapping[str, str] = os.environ) -> None:
+    """Refuse ``num_nodes > 1`` where nothing could ever start or reach another node: Lightning's default
+    environment spawning the devices itself (no launcher, no SLURM/MPI/torchrun/... environment) and none of
+    MASTER_ADDR, MASTER_PORT, NODE_RANK, GROUP_RANK, WORLD_SIZE set. Rank 0 would wait for the rendezvous time-out."""
+    if num_nodes <= 1 or type(env) is not LightningEnvironment or env.creates_processes_externally:
+        return
+    if any(environ.get(key) for key in _NODE_ENV_KEYS):
+        return  # started by hand on each node (or the others are reached through these): wait, bounded
+    from lightning_gaudi_ds.config.load import ConfigError
+
+    raise ConfigError(
+        f"Trainer(num_nodes={num_nodes}), but this process runs on its own: no launcher started it, no cluster"
+        f" environment (SLURM, torchrun, mpirun, ...) was detected, and none of {', '.join(_NODE_ENV_KEYS)} is set,"
+        f" so no other node could ever join. {HOW_TO_START}"
+    )

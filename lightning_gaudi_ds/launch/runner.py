@@ -181,7 +181,12 @@ class DistributedRunner:
         token = uuid.uuid4().hex
         if self.log_dir is not None:  # a fresh directory per run: records of an earlier run must not be read
             run_dir = self.log_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{token[:6]}-cmd{index}"
-            run_dir.mkdir(parents=True)
+            try:
+                run_dir.mkdir(parents=True)
+            except OSError as err:  # e.g. under /proc, where the access check above cannot tell
+                where = err.filename if err.filename is not None else run_dir
+                raise ValueError(f"log_dir={str(self.log_dir)!r}: cannot create {where} ({err.strerror}); pass a"
+                                 " directory you can write to.") from None
             keep = True
         else:
             run_dir, keep = Path(tempfile.mkdtemp(prefix="lgds-run-")), False

@@ -41,6 +41,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
 
 
+# Options whose value may start with "-": argparse would take "-7e9" or "-24GiB" for an option ("expected one
+# argument"); joined as "--params=-7e9" they reach the checks below, which name what is allowed.
+_VALUE_OPTIONS = ("--params", "--hidden-size", "--devices", "--nodes", "--device-memory", "--host-memory",
+                  "--param-groups", "--headroom", "--batch-size", "--seq-len")
+# Whole-number options: (what the number means) for the message; each must be >= 1.
+_COUNTS = {"devices": "devices per node", "nodes": "nodes", "param_groups": "the optimizer's parameter groups",
+           "hidden_size": "the model's hidden size", "batch_size": "samples per micro batch",
+           "seq_len": "tokens per sample"}
+
+
+def prepare_args(argv: list[str]) -> list[str]:
+    """``--option -value`` as ``--option=-value`` for :data:`_VALUE_OPTIONS` (see there)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token, value = argv[i], argv[i + 1] if i + 1 < len(argv) else ""
+        if token in _VALUE_OPTIONS and value.startswith("-") and not value.startswith("--") and value != "-h":
+            out.append(f"{token}={value}")
+            i += 2
+        else:
+            out.append(token)
+            i += 1
+    return out
+
+
+def _fail(message: str) -> SystemExit:
+    sys.stderr.write(f"lightning-gaudi-ds plan: error: {message}\n")
+    return SystemExit(2)
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    import math
+
+    for name, meaning in _COUNTS.items():
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"argument --{name.replace('_', '-')}: {value} is not allowed; pass a whole number >= 1"
+                             f" ({meaning})")
+    if not (math.isfinite(args.headroom) and 0 <= args.headroom < 1):
+        raise ValueError(f"argument --headroom: {args.headroom} is not allowed; pass a fraction in [0, 1) of the"
+                         " memory kept free (default 0.10)")
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     from lightning_gaudi_ds.planning.detect import detect_device_count, detect_device_memory, detect_host_memory
@@ -50,32 +93,39 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     try:
         init_args = json.loads(args.init_args)
     except json.JSONDecodeError as err:
-        raise SystemExit(f"error: --init-args {args.init_args!r} is not JSON: {err}") from None
+        raise _fail(f"--init-args {args.init_args!r} is not JSON: {err}") from None
     if not isinstance(init_args, dict):
-        raise SystemExit(f"error: --init-args must be a JSON object, got {args.init_args!r}")
+        raise _fail(f"--init-args must be a JSON object, got {args.init_args!r}")
     try:
+        _check_numbers(args)
         device_memory = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None
         host_memory = parse_bytes(args.host_memory, "--host-memory") if args.host_memory else None
         module, spec, inputs = _model(args, init_args)
-        if args.hidden_size:
+        if args.hidden_size is not None:
             spec = dataclasses.replace(spec, hidden_size=args.hidden_size)
         activations = None
         if args.measure_activations:
             activations = _measure(args, module, inputs)
         rows = plan_memory(
-            spec, devices=args.devices or detect_device_count(), nodes=args.nodes, precision=args.precision,
-            optimizer=args.optimizer, device_memory=device_memory or detect_device_memory(),
+            spec, devices=args.devices if args.devices is not None else detect_device_count(), nodes=args.nodes,
+            precision=args.precision, optimizer=args.optimizer, device_memory=device_memory or detect_device_memory(),
             host_memory=host_memory or detect_host_memory(), headroom=args.headroom,
             activation_bytes=activations, buckets=Buckets.for_model(spec.hidden_size), param_groups=args.param_groups,
         )
     except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
+        raise _fail(str(err)) from None
     if args.json:
         json.dump(rows, out, indent=1)
         out.write("\n")
+        if rows[0]["device_memory"] is None:
+            sys.stderr.write(f"note: {_NO_DEVICE_MEMORY}\n")
     else:
         out.write(format_table(rows, spec.name) + "\n")
     return 0
+
+
+_NO_DEVICE_MEMORY = ("no accelerator here to read the device memory from, so whether each configuration fits is"
+                     " unknown (\"?\"); pass --device-memory, the memory of one device (e.g. --device-memory 96GB)")
 
 
 def _model(args: argparse.Namespace, init_args: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -88,6 +138,9 @@ def _model(args: argparse.Namespace, init_args: dict[str, Any]) -> tuple[Any, An
             n = float(args.params)
         except ValueError:
             raise ValueError(f"--params {args.params!r} is not a number; write e.g. 7e9 or 125000000") from None
+        if not (n > 0 and n != float("inf")) or n != int(n):
+            raise ValueError(f"argument --params: {args.params!r} is not allowed; pass a whole, finite number of"
+                             " trainable parameters > 0, e.g. 7e9 or 125000000")
         if args.measure_activations:
             raise ValueError("--measure-activations needs the model itself: use --model or --hf-config")
         from lightning_gaudi_ds.planning.memory import _count
@@ -105,7 +158,13 @@ def _model(args: argparse.Namespace, init_args: dict[str, Any]) -> tuple[Any, An
                              " set it in the module's __init__ (a Lightning convention)")
         return (cls, init_args), spec, inputs
     config = sources.load_hf_config(args.hf_config)
-    spec = sources.spec_from_module(sources.build_hf_on_meta(config), name=f"{type(config).__name__}")
+    try:
+        built = sources.build_hf_on_meta(config)
+    except (RuntimeError, TypeError, ValueError, AssertionError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"--hf-config {args.hf_config!r}: transformers cannot build {type(config).__name__} from it"
+                         f" ({first}); check its sizes") from None
+    spec = sources.spec_from_module(built, name=f"{type(config).__name__}")
     return config, spec, None
 
 
@@ -180,10 +239,12 @@ def format_table(rows: Sequence[dict[str, Any]], name: str = "") -> str:
         from lightning_gaudi_ds.planning.memory import no_fit_message
 
         lines.append(no_fit_message(rows))
+    else:
+        lines.append(f"fits: {_NO_DEVICE_MEMORY}")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lightning-gaudi-ds plan", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return run(parser.parse_args(prepare_args(list(sys.argv[1:] if argv is None else argv))))

@@ -37,6 +37,12 @@ def spec_from_module(module: nn.Module, name: str = "") -> ModelSpec:
 def import_class(target: str) -> type:
     """``pkg.module:Class`` (or ``pkg.module.Class``) to the class; ``ValueError`` naming what is missing."""
     module_name, sep, attr = target.partition(":")
+    if not sep and _is_module(target):  # `examples.train_lm`: the class is missing, not the module
+        mod = importlib.import_module(target)
+        classes = sorted(f"{target}:{n}" for n, v in vars(mod).items() if isinstance(v, type)
+                         and issubclass(v, nn.Module) and v.__module__ == mod.__name__ and not n.startswith("_"))
+        there = f" The torch.nn.Module classes there: {', '.join(classes)}" if classes else " It defines no nn.Module."
+        raise ValueError(f"--model {target!r} is a module; add ':ClassName' to name the model class in it.{there}")
     if not sep:
         module_name, _, attr = target.rpartition(".")
     if not module_name or not attr:
@@ -58,6 +64,15 @@ def import_class(target: str) -> type:
     if not (isinstance(obj, type) and issubclass(obj, nn.Module)):
         raise ValueError(f"--model {target!r} is {type(obj).__name__} {obj!r}, not a torch.nn.Module subclass")
     return obj
+
+
+def _is_module(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent that is no package, or not importable: not a module path
+        return False
 
 
 def build_on_meta(cls: type, init_args: Mapping[str, Any] | None = None, target: str = "") -> nn.Module:
@@ -88,6 +103,11 @@ def spec_from_class_path(target: str, init_args: Mapping[str, Any] | None = None
     return spec_from_module(build_on_meta(cls, init_args, target), name=target)
 
 
+# Sizes of a Hugging Face config (and GPT-2's names for them) that must be whole numbers >= 1.
+_HF_SIZES = ("hidden_size", "n_embd", "d_model", "num_hidden_layers", "n_layer", "num_attention_heads", "n_head",
+             "num_key_value_heads", "intermediate_size", "vocab_size", "max_position_embeddings", "n_positions")
+
+
 def load_hf_config(path: str | Path) -> Any:
     """A Hugging Face config from a local ``config.json`` (or its directory); nothing is downloaded."""
     try:
@@ -106,6 +126,11 @@ def load_hf_config(path: str | Path) -> Any:
     model_type = raw.pop("model_type", None) if isinstance(raw, dict) else None
     if not model_type:
         raise ValueError(f"--hf-config {str(file)!r} has no 'model_type' (e.g. \"llama\", \"gpt2\")")
+    for key in _HF_SIZES:
+        value = raw.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"--hf-config {str(file)!r}: {key}={value!r} is not allowed; a model size is a whole"
+                             " number >= 1")
     try:
         return AutoConfig.for_model(model_type, **raw)
     except ValueError as err:
