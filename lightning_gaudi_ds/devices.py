@@ -7,7 +7,6 @@ lazily. Also the device-neutral checks the strategy runs at set-up: determinism,
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
