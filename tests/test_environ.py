@@ -95,8 +95,8 @@ def test_fit_validate_and_teardown_on_cpu_leave_os_environ_as_it_was(
 def test_hpu_double_setup_engine_and_teardown_leave_os_environ_as_it_was(
     user_env: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    # The double cannot train (its tensors stay on the CPU), so the engine is DeepSpeed's call captured: every
-    # other step is the strategy's own, with a real gloo process group and the ranks Lightning's launcher starts.
+    # The double cannot train (its tensors stay on the CPU), so DeepSpeed's engine call is captured: every other
+    # step is the strategy's own, with a real gloo process group (the launcher's children: the next test).
     gaudi = hpu_double.install(user_env)
     was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     before = dict(os.environ)  # after the import: what DeepSpeed and the bridge did to the process is theirs

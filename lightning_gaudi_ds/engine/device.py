@@ -72,8 +72,7 @@ class DeviceRuntime:
         """What DeepSpeed will be told about the device: on CPU without a launcher's ``LOCAL_SIZE``, the number
         of ranks on this machine (see :meth:`after_accelerator_selected` and :meth:`deepspeed_calls`)."""
         self.device_type = device_type
-        if device_type == "cpu" and "LOCAL_SIZE" not in os.environ:
-            self.local_size = num_processes
+        self.local_size = num_processes if device_type == "cpu" and "LOCAL_SIZE" not in os.environ else None
 
     def after_accelerator_selected(self, device_type: str) -> None:
         """Once DeepSpeed's accelerator exists: say what it did to torch's deterministic mode, and on an HPU undo its
