@@ -11,7 +11,7 @@ import argparse
 import contextlib
 import functools
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,8 +64,10 @@ __all__ = [
     "model_states_meta",
     "model_states_name",
     "optim_states_name",
+    "pin_device_count",
     "reset_zero3_trace_at_outer_forward_only",
     "remove_module_hooks",
+    "start_children_with",
     "set_deepspeed_accelerator",
     "train_dataloaders",
     "universal_checkpoint_loading",
@@ -156,6 +158,45 @@ def set_deepspeed_accelerator(name: str) -> str | None:
         from deepspeed.accelerator.hpu_accelerator import HPU_Accelerator as Accelerator
     ds_acc.set_accelerator(Accelerator())
     return previous
+
+
+def pin_device_count(count: int) -> Callable[[], None]:
+    """Make DeepSpeed's global accelerator report ``count`` devices until the returned undo is called.
+
+    DeepSpeed's CPU accelerator reads the count from ``LOCAL_SIZE`` (its launcher sets it) and otherwise runs
+    ``numactl --hardware`` in a subprocess on every call (ZeRO-3 calls it for every reduce bucket); this gives the
+    same answer without writing ``LOCAL_SIZE`` into the user's process. Its ``device_count`` takes no argument.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    accelerator.device_count = lambda: count  # the instance attribute shadows the class's method
+
+    def undo() -> None:
+        accelerator.__dict__.pop("device_count", None)
+
+    return undo
+
+
+def start_children_with(launcher: Any, values: Callable[[], Mapping[str, str]]) -> None:
+    """Have Lightning's subprocess launcher start its ranks with ``values()`` in their environment.
+
+    ``_SubprocessScriptLauncher._call_children_scripts`` gives each child a copy of ``os.environ`` and takes nothing
+    else: the values are in ``os.environ`` only while it starts them. Other launchers are left as they are.
+    """
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    from lightning_gaudi_ds._environ import scoped_environ
+
+    if not isinstance(launcher, _SubprocessScriptLauncher):
+        return
+    start = launcher._call_children_scripts
+
+    def start_with_values() -> None:
+        with scoped_environ(values(), override=True):
+            start()
+
+    launcher._call_children_scripts = start_with_values  # type: ignore[method-assign]
 
 
 def deepspeed_removed_config_keys() -> tuple[Mapping[str, str], Mapping[str, str]]:

@@ -7,7 +7,6 @@ lazily. Also the device-neutral checks the strategy runs at set-up: determinism,
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +21,7 @@ from lightning_gaudi_ds.hpu import habana_frameworks_installed, hpu_available
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "DEVICES", "DeviceSpec", "ZERO_DEFAULT_KEYS", "apply_env_defaults", "deterministic_change", "deterministic_state",
+    "DEVICES", "DeviceSpec", "ZERO_DEFAULT_KEYS", "deterministic_change", "deterministic_state",
     "detect_device_type", "device_spec", "habana_frameworks_installed", "hpu_available",
     "move_keeping_tied_parameters", "validate_precision",
 ]
@@ -132,18 +131,6 @@ def validate_precision(precision: str, device: torch.device | str) -> None:
                 f"`Trainer(precision={precision!r})`: this Gaudi ({hpu.device_name()}, first generation) does not"
                 " compute in float16. Use precision='bf16-mixed' (or 'bf16-true'); float16 needs Gaudi2 or later."
             )
-
-
-def apply_env_defaults(spec: DeviceSpec) -> dict[str, str]:
-    """Set ``spec.env_defaults`` where unset; return (and log) what was set."""
-    applied = {}
-    for key, value in spec.env_defaults.items():
-        if key not in os.environ:
-            os.environ[key] = value
-            applied[key] = value
-    if applied:
-        log.info("HPUDeepSpeedStrategy set environment defaults: %s", applied)
-    return applied
 
 
 def detect_device_type() -> str:

@@ -20,7 +20,11 @@ log = logging.getLogger(__name__)
 Mode = Literal["eager", "lazy"]
 LAZY_MODE_ENV = "PT_HPU_LAZY_MODE"
 
-# Set where unset before DeepSpeed's HPU accelerator is created (it reads them); the values Habana's integrations use.
+# The values Habana's integrations use, exported where unset to the ranks a launcher starts (ours, and Lightning's
+# through the strategy): the bridge and DeepSpeed see them from the process's start. Never written into the user's
+# own process for its life: by the time the strategy runs the bridge is imported, DeepSpeed's HPU accelerator sets
+# the two PT_HPU_* ones itself when it is created, and DEEPSPEED_USE_HPU is set around engine creation only
+# (optimum-habana sets it just before deepspeed.initialize).
 ENV_DEFAULTS: Mapping[str, str] = {
     "DEEPSPEED_USE_HPU": "true",
     "PT_HPU_LAZY_ACC_PAR_MODE": "0",
@@ -121,7 +125,8 @@ def stack_version() -> str | None:
 # habana_frameworks loads its lazy or its eager plugin at the first import of `habana_frameworks.torch` (torch's
 # device autoload may do that at `import torch`), from PT_HPU_LAZY_MODE; unset means eager in current releases
 # ("0" = eager + torch.compile, the default path; "1" = lazy, graphs cut by mark_step, a legacy fallback). Once
-# imported, the mode cannot change, so the launcher sets the variable before the ranks start.
+# imported, the mode cannot change, so the launcher sets the variable before the ranks start; in the user's own
+# process the strategy finds the stack imported already (the accelerator's availability check imports it).
 def mode_from_env(environ: Mapping[str, str] = os.environ) -> Mode:
     """The mode ``habana_frameworks`` chooses when it is first imported with ``environ``."""
     return "lazy" if environ.get(LAZY_MODE_ENV, "0") not in ("", "0") else "eager"
@@ -145,8 +150,9 @@ def imported_mode() -> Mode | None:
 def check_mode(requested: Mode | None) -> Mode:
     """The mode this process runs in; refuses ``requested`` when ``habana_frameworks`` was imported in the other.
 
-    When the stack is not imported yet, ``requested`` is written to ``PT_HPU_LAZY_MODE`` so the import (and every
-    process started from here) picks it.
+    When the stack is installed but not imported yet, it is imported now with ``PT_HPU_LAZY_MODE`` set to the mode
+    for that import only, which fixes the mode for the process. ``os.environ`` is left as it was: ranks started
+    from here get the mode from their launcher (:func:`rank_env`).
     """
     if requested not in (None, "eager", "lazy"):
         raise ValueError(f"`hpu_mode={requested!r}` is not an HPU execution mode. Use 'eager' (with torch.compile,"
@@ -161,8 +167,18 @@ def check_mode(requested: Mode | None) -> Mode:
             f" `{LAZY_MODE_ENV}={mode_env(wanted)[LAZY_MODE_ENV]}` (the `lightning-gaudi-ds spawn --hpu_mode"
             f" {wanted}` launcher sets it), or drop hpu_mode={requested!r} to run in {current!r} mode."
         )
-    os.environ.update(mode_env(wanted))  # ranks started from this process import the stack in the same mode
+    if current is None and habana_frameworks_installed():
+        from lightning_gaudi_ds._environ import scoped_environ
+
+        with scoped_environ(mode_env(wanted), override=True):  # the bridge reads it at its first import only
+            import habana_frameworks.torch  # noqa: F401
     return wanted
+
+
+def rank_env(mode: Mode, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """What a launcher adds to ``environ`` for the Gaudi ranks it starts: :data:`ENV_DEFAULTS` where unset, and
+    the execution mode spelled out (each rank's bridge picks it at import)."""
+    return {**{key: value for key, value in ENV_DEFAULTS.items() if key not in environ}, **mode_env(mode)}
 
 
 def describe_mode(mode: Mode, compile_backend: str | None) -> str:
@@ -184,15 +200,6 @@ def mark_step_fn(mode: Mode | None = None) -> Callable[[], None] | None:
 
 
 # -------------------------------------------------------------------------------------- process set-up
-def prepare_environment() -> dict[str, str]:
-    """Set :data:`ENV_DEFAULTS` where unset (logged); return what was set."""
-    applied = {key: value for key, value in ENV_DEFAULTS.items() if key not in os.environ}
-    os.environ.update(applied)
-    if applied:
-        log.info("HPUDeepSpeedStrategy set environment defaults: %s", applied)
-    return applied
-
-
 def init_distributed(world_size: int, global_rank: int, local_rank: int) -> None:
     """Register the ``hccl`` backend with torch.distributed and prepare HCCL for this rank."""
     import habana_frameworks.torch.distributed.hccl as hccl  # the import registers the backend

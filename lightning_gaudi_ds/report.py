@@ -33,7 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     code = 0
-    locks.use_environment_cache()  # the cache this environment's runs use
     if args.clear_stale_locks:
         try:
             cleared = [i for i in locks.clear_stale_locks(tuple(build.OPS), print) if i.state == "stale"]

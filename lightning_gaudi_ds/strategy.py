@@ -51,6 +51,7 @@ from lightning_gaudi_ds._compat import (
     give_bf16_optimizer_zero_grad,
     reset_zero3_trace_at_outer_forward_only,
     set_deepspeed_accelerator,
+    start_children_with,
     train_dataloaders,
 )
 from lightning_gaudi_ds.config import (
@@ -290,6 +291,9 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
                 " look for HPUs). Pass `Trainer(accelerator='hpu')` to train on Gaudi."
             )
         super()._configure_launcher()
+        mode = self._runtime.mode
+        if mode is not None:  # HPU: the ranks Lightning's launcher starts get this mode and the Gaudi defaults
+            start_children_with(self._launcher, lambda: hpu.rank_env(mode))
 
     @override
     def setup_environment(self) -> None:
@@ -316,18 +320,10 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         self.set_world_ranks()
         # Tensor parallelism decides whether DeepSpeed's CPU shm all-reduce is loaded (training leaves it off).
         mode = inference.shm_comm_mode(self._inference, self.world_size, os.environ.get(SHM_MODE_ENV))
-        before = os.environ.get(SHM_MODE_ENV)
-        if mode is not None:
-            os.environ[SHM_MODE_ENV] = mode
-        try:
-            prepare_startup(self.device_spec.deepspeed_accelerator, offloads_optimizer(self.config), self.world_size)
-        finally:
-            if mode is not None:
-                if before is None:
-                    del os.environ[SHM_MODE_ENV]
-                else:
-                    os.environ[SHM_MODE_ENV] = before
-        self._init_deepspeed_distributed()
+        prepare_startup(self.device_spec.deepspeed_accelerator, offloads_optimizer(self.config), self.world_size,
+                        shm_comm=mode, local_size=self._runtime.local_size)
+        with self._runtime.deepspeed_calls():
+            self._init_deepspeed_distributed()
 
     @override
     def _init_deepspeed_distributed(self) -> None:
@@ -398,21 +394,26 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         # fork) pops keys out of the dict it is given (optimizer.params' torch_adam, adam_w_mode).
         import deepspeed
 
-        engine, ds_optimizer, _, _ = deepspeed.initialize(
-            args=self._deepspeed_args(),
-            config=copy.deepcopy(self.config),
-            model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            dist_init_required=False,
-        )
+        with self._runtime.deepspeed_calls():
+            engine, ds_optimizer, _, _ = deepspeed.initialize(
+                args=self._deepspeed_args(),
+                config=copy.deepcopy(self.config),
+                model=model,
+                model_parameters=[p for p in model.parameters() if p.requires_grad],
+                optimizer=optimizer,
+                lr_scheduler=lr_scheduler,
+                dist_init_required=False,
+            )
         reset_zero3_trace_at_outer_forward_only(engine)
         give_bf16_optimizer_zero_grad(ds_optimizer)
         return engine, ds_optimizer
 
     @override
     def _initialize_deepspeed_inference(self, model: Module) -> None:
+        with self._runtime.deepspeed_calls():
+            self._init_inference_engine(model)
+
+    def _init_inference_engine(self, model: Module) -> None:
         if self._inference is not None:
             assert self._inference_dtype is not None
             device = self.device_spec.device_type

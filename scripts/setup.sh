@@ -34,10 +34,9 @@ pipq -e ".[test,examples]" ${DS_PIN:+"deepspeed==$DS_PIN"}  # examples: train.sh
 # DeepSpeed's C++ ops that it would otherwise JIT-compile on first use (the CPU shm comm op, cpu_adam for
 # ZeRO-Offload), built now so a first training run starts as fast as later ones; a no-op once built.
 # Without a compiler training still works (plain torch.distributed collectives). Skip: LIGHTNING_GAUDI_DS_SKIP_OP_BUILD=1
-# The ops are cached per environment (<venv>/torch_extensions/py<ver>_<build>), as the package does when
-# TORCH_EXTENSIONS_DIR is unset: torch's default cache is shared by every environment, which then rebuild each other's.
-TORCH_EXTENSIONS_DIR=$(python -c "from lightning_gaudi_ds.jit_ops.locks import use_environment_cache as c; print(c())")
-export TORCH_EXTENSIONS_DIR
+# The build goes to the op cache training uses: TORCH_EXTENSIONS_DIR if set, else this environment's own
+# (<venv>/torch_extensions/py<ver>_<build>; torch's default is shared by every environment, which then rebuild
+# each other's). The package chooses it per build call; nothing needs exporting here.
 if [ "${LIGHTNING_GAUDI_DS_SKIP_OP_BUILD:-0}" != "1" ]; then
   python -m lightning_gaudi_ds.jit_ops build \
     || echo "setup.sh: DeepSpeed ops not built (see above): training falls back to torch.distributed collectives; ZeRO-Offload needs cpu_adam" >&2

@@ -355,11 +355,12 @@ def test_the_op_cache_is_one_per_environment(tmp_path: Path) -> None:
     assert locks.environment_cache_dir(conda, conda, {"CONDA_PREFIX": conda}) == Path(conda, "torch_extensions", tag)
     assert locks.environment_cache_dir("/usr", "/usr", {}) is None  # a system Python keeps torch's default
     environ: dict[str, str] = {}
-    root = locks.use_environment_cache(environ)
+    root = locks.extensions_root(environ)
     if sys.prefix != sys.base_prefix:
-        assert root == Path(sys.prefix, "torch_extensions", tag) and environ["TORCH_EXTENSIONS_DIR"] == str(root)
+        assert root == Path(sys.prefix, "torch_extensions", tag)
+    assert environ == {}  # chosen, not exported (tests/test_environ.py)
     mine = {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
-    assert locks.use_environment_cache(mine) == tmp_path and mine == {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    assert locks.extensions_root(mine) == tmp_path and mine == {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
     assert _files(tmp_path) == []  # deciding creates nothing
 
 

@@ -525,3 +525,22 @@ def test_zero3_training_mode_assertion_is_read_from_deepspeed() -> None:
     fork = "DEEPSPEED_USE_HABANA_FRAMEWORKS_DETERMINISTIC_API" in inspect.getsource(
         __import__("deepspeed.accelerator.hpu_accelerator", fromlist=["x"]))
     assert zero3_backward_requires_training_mode() is fork  # the fork asserts; upstream has it commented out
+
+
+def test_deepspeed_op_builder_has_no_build_directory_argument() -> None:
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    source = inspect.getsource(OpBuilder.jit_load)
+    assert "load(" in source and "build_directory" not in source, (
+        f"{DEEPSPEED}: OpBuilder.jit_load now passes a build_directory to torch's load(): pass the op cache there"
+        " instead of setting TORCH_EXTENSIONS_DIR around the load (jit_ops.locks.op_cache)")
+
+
+# ====================================================================== the ranks Lightning's launcher starts
+def test_subprocess_launcher_starts_its_children_in_call_children_scripts() -> None:
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    source = inspect.getsource(_SubprocessScriptLauncher._call_children_scripts)
+    assert "os.environ.copy()" in source and "Popen(" in source, (
+        f"{LIGHTNING}: _SubprocessScriptLauncher._call_children_scripts no longer starts the children with a copy of"
+        " os.environ: update _compat.start_children_with (the Gaudi ranks' PT_HPU_LAZY_MODE and defaults)")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from lightning.fabric.plugins.environments import LightningEnvironment
 
+from lightning_gaudi_ds import hpu
 from lightning_gaudi_ds.launch import plan
 from lightning_gaudi_ds.launch.environments import resolve_environment
 from lightning_gaudi_ds.launch.runner import DistributedRunner, add_arguments
@@ -65,7 +66,8 @@ def test_deepspeed_multi_node_gaudi_launch_writes_its_env_file_keeping_the_users
     monkeypatch.chdir(work)
     monkeypatch.delenv("DS_ENV_FILE", raising=False)
     monkeypatch.setenv("HABANA_VISIBLE_MODULES", "0,1")
-    monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+    for key in ("PT_HPU_LAZY_MODE", *hpu.ENV_DEFAULTS):
+        monkeypatch.delenv(key, raising=False)
     hostfile = work / "hosts"
     hostfile.write_text("a slots=2\nb slots=2\n")
     runner = DistributedRunner(["t.py"], hostfile=hostfile, use_deepspeed=True, hpu_mode="lazy")
@@ -75,6 +77,8 @@ def test_deepspeed_multi_node_gaudi_launch_writes_its_env_file_keeping_the_users
     assert env["DS_ENV_FILE"] == str(run_dir / "deepspeed_env")
     lines = (run_dir / "deepspeed_env").read_text().splitlines()
     assert lines[0] == "NCCL_DEBUG=INFO" and {"PT_HPU_LAZY_MODE=1", "HABANA_VISIBLE_MODULES=0,1"} <= set(lines)
+    defaults = {f"{k}={v}" for k, v in hpu.ENV_DEFAULTS.items()}  # the ranks get them, not the runner's process
+    assert defaults <= set(lines) and all(env[k] == v for k, v in hpu.ENV_DEFAULTS.items())
     one_node = DistributedRunner(["t.py"], world_size=2, use_deepspeed=True, hpu_mode="lazy")
     assert "DS_ENV_FILE" not in one_node._environment(run_dir, "tok", 29500)  # local ranks inherit the env
 

@@ -78,26 +78,22 @@ def test_explicit_backend_wins(gaudi):
     assert trainer.strategy._get_process_group_backend() == "gloo"
 
 
-def test_setup_environment_env_defaults_hccl_and_rank_args(gaudi, monkeypatch, caplog):
+def test_setup_environment_hccl_rank_args_and_gaudi_defaults_only_around_deepspeed(gaudi, monkeypatch):
     monkeypatch.setenv("PT_HPU_LAZY_ACC_PAR_MODE", "1")  # set by the user: must be kept
     trainer = hpu_trainer()
     strategy = trainer.strategy
     seen = {}
-    # env defaults must be in place before DeepSpeed's HPU accelerator is created (it reads them)
-    monkeypatch.setattr(strategy, "_select_deepspeed_accelerator", lambda spec: gaudi.record("ds_accelerator", os.environ.get("DEEPSPEED_USE_HPU")))
-    monkeypatch.setattr(strategy, "_init_deepspeed_distributed", lambda: seen.setdefault("backend", strategy._get_process_group_backend()))
+    monkeypatch.setattr(strategy, "_select_deepspeed_accelerator", lambda spec: gaudi.record("ds_accelerator"))
+    monkeypatch.setattr(strategy, "_init_deepspeed_distributed", lambda: seen.update(
+        backend=strategy._get_process_group_backend(), use_hpu=os.environ.get("DEEPSPEED_USE_HPU")))
     monkeypatch.setattr(HPUAccelerator, "setup_device", lambda self, device: gaudi.record("setup_device", device))
-    with caplog.at_level(logging.INFO, logger="lightning_gaudi_ds"):
-        strategy.setup_environment()
-    assert os.environ["DEEPSPEED_USE_HPU"] == "true"
-    assert os.environ["PT_HPU_ENABLE_REFINE_DYNAMIC_SHAPES"] == "0"
+    strategy.setup_environment()
+    # Habana's integrations set DEEPSPEED_USE_HPU for DeepSpeed's calls: set around them, never left behind
+    assert seen == {"backend": "hccl", "use_hpu": "true"} and "DEEPSPEED_USE_HPU" not in os.environ
     assert os.environ["PT_HPU_LAZY_ACC_PAR_MODE"] == "1"
-    assert "DEEPSPEED_USE_HPU" in caplog.text and "PT_HPU_LAZY_ACC_PAR_MODE" not in caplog.text
-    assert seen["backend"] == "hccl"
     init = dict(gaudi.calls)["initialize_distributed_hpu"]
     assert init == {"world_size": 2, "rank": 0, "local_rank": 0}
     assert gaudi.names() == ["ds_accelerator", "initialize_distributed_hpu", "setup_device"]
-    assert dict(gaudi.calls)["ds_accelerator"] == "true"
     assert strategy._deepspeed_args().device_rank == 0
 
 
@@ -290,9 +286,9 @@ def test_mode_from_env_defaults_to_eager():
     assert hpu.mode_env("lazy") == {"PT_HPU_LAZY_MODE": "1"} and hpu.mode_env("eager") == {"PT_HPU_LAZY_MODE": "0"}
 
 
-def test_check_mode_exports_the_imported_mode_and_refuses_the_other(gaudi):
+def test_check_mode_keeps_the_imported_mode_and_refuses_the_other(gaudi):
     assert hpu.check_mode(None) == "eager"
-    assert os.environ["PT_HPU_LAZY_MODE"] == "0"  # processes started from here import the stack in the same mode
+    assert "PT_HPU_LAZY_MODE" not in os.environ  # ranks get it from their launcher (tests/test_environ.py)
     assert hpu.check_mode("eager") == "eager"
     with pytest.raises(RuntimeError, match=r"'lazy' was requested.*imported in 'eager'.*PT_HPU_LAZY_MODE=1"):
         hpu.check_mode("lazy")
@@ -300,8 +296,8 @@ def test_check_mode_exports_the_imported_mode_and_refuses_the_other(gaudi):
         hpu.check_mode("graph")
 
 
-def test_check_mode_before_import_sets_the_variable(clean_env):
-    assert hpu.check_mode("lazy") == "lazy" and os.environ["PT_HPU_LAZY_MODE"] == "1"
+def test_check_mode_without_the_stack_leaves_the_variable(clean_env):
+    assert hpu.check_mode("lazy") == "lazy" and "PT_HPU_LAZY_MODE" not in os.environ
 
 
 def test_mark_step_only_in_lazy_mode(gaudi):
@@ -420,7 +416,7 @@ def test_eager_by_default_compiles_the_engine_with_the_accelerator_backend(gaudi
     trainer = hpu_trainer()
     strategy = trainer.strategy
     assert strategy.hpu_mode == "eager" and strategy.torch_compile
-    assert os.environ["PT_HPU_LAZY_MODE"] == "0"  # exported for the ranks Lightning's launcher starts
+    assert "PT_HPU_LAZY_MODE" not in os.environ  # given to the ranks Lightning's launcher starts only
     assert build_engine(strategy, monkeypatch).compiled_with == "hpu_backend"
     strategy._lightning_module = Tiny()
     strategy._lightning_module.trainer = trainer

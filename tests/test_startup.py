@@ -404,6 +404,39 @@ def test_two_ranks_clear_a_stale_lock_and_train_with_the_op(built_shm_ext: Path,
 
 
 @pytest.mark.multiprocess
+def test_shm_kernel_engages_under_lightnings_launcher_without_local_size_in_the_environment(
+    built_shm_ext: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The strategy gives DeepSpeed LOCAL_SIZE only around init_distributed (where the op reads it), never for the
+    process's life: both ranks' shm segments exist while they train, and are gone afterwards."""
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    port = str(free_port())
+    segments = [Path("/dev/shm") / startup.shm_segment_name(r, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+                for r in range(2)]
+    seen: set[Path] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.update(p for p in segments if p.exists())
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        result = run_job([sys.executable, str(JOBS / "train_job.py"), "--out", str(tmp_path), "--no-eval",
+                          "--max-steps", "2"], timeout=240, env={"TORCH_EXTENSIONS_DIR": str(built_shm_ext),
+                                                                 startup.SHM_MODE_ENV: "on", "MASTER_PORT": port})
+    finally:
+        done.set()
+        watcher.join()
+    result.check()
+    assert "loaded but unused" not in result.output, result.output[-3000:]
+    assert seen == set(segments), f"the shm kernel did not engage on every rank: {sorted(map(str, seen))}"
+    assert not any(p.exists() for p in segments), "DeepSpeed's shm segments leaked"
+
+
+@pytest.mark.multiprocess
 def test_two_ranks_with_a_stale_lock_and_no_compiler_train_on_gloo(ext_dir: Path, tmp_path: Path) -> None:
     """DeepSpeed alone waits forever on this lock; here both ranks clear it, fail the build fast, fall back."""
     _plant(ext_dir)

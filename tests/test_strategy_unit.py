@@ -176,11 +176,14 @@ def test_cpu_local_size_spares_deepspeed_a_numactl_subprocess_per_call(monkeypat
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=HPUDeepSpeedStrategy(stage=3), logger=False)
     monkeypatch.setattr(trainer.strategy, "setup_distributed", lambda: None)
     trainer.strategy.setup_environment()
+    assert "LOCAL_SIZE" not in os.environ  # the user's process and the processes it starts never see it
     with monkeypatch.context() as m:
         m.setattr(sp, "check_output", lambda *a, **k: pytest.fail(f"DeepSpeed forked {a}"))
         assert get_accelerator().device_count() == 2
+    with trainer.strategy._runtime.deepspeed_calls():  # the shm op reads it inside deepspeed.init_distributed
+        assert os.environ["LOCAL_SIZE"] == "2"
     trainer.strategy.teardown()
-    assert "LOCAL_SIZE" not in os.environ  # a later Trainer must not take it for a launcher's
+    assert "LOCAL_SIZE" not in os.environ and "device_count" not in vars(get_accelerator())  # DeepSpeed's own again
 
 
 @pytest.mark.parametrize("cls", [HPUDeepSpeedStrategy, HPUAccelerator, lightning_gaudi_ds.DistributedRunner])

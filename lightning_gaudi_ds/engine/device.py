@@ -7,8 +7,9 @@ through :mod:`lightning_gaudi_ds.hpu`.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,9 +19,11 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_gaudi_ds import hpu
-from lightning_gaudi_ds._compat import created_deepspeed_accelerator
+from lightning_gaudi_ds._compat import created_deepspeed_accelerator, pin_device_count
+from lightning_gaudi_ds._environ import scoped_environ
 from lightning_gaudi_ds.config import ConfigError
 from lightning_gaudi_ds.devices import deterministic_change, deterministic_state, move_keeping_tied_parameters
+from lightning_gaudi_ds.jit_ops.locks import op_cache
 
 
 def compile_backend() -> str:
@@ -40,7 +43,9 @@ class DeviceRuntime:
     deterministic_at_trainer: tuple[bool, bool] = field(default_factory=deterministic_state)
     deepspeed_hpu_before_trainer: bool = False
     mark_step: Callable[[], None] | None = None
-    owns_local_size: bool = False
+    device_type: str | None = None
+    local_size: int | None = None  # the CPU ranks on this machine, when no launcher set LOCAL_SIZE
+    unpin_device_count: Callable[[], None] | None = None
 
     @property
     def compile(self) -> bool:
@@ -64,15 +69,10 @@ class DeviceRuntime:
                 )
 
     def before_accelerator_selected(self, device_type: str, num_processes: int) -> None:
-        """The environment DeepSpeed's accelerator reads when it is created."""
-        if device_type == "hpu":
-            hpu.prepare_environment()
-        elif device_type == "cpu" and "LOCAL_SIZE" not in os.environ:
-            # DeepSpeed's CPU accelerator counts devices from LOCAL_SIZE (its launcher sets it) and otherwise runs
-            # `numactl --hardware` in a subprocess on every call: ZeRO-3 calls it for every reduce bucket.
-            # Removed again in teardown, so a later Trainer in this process never reads it as a launcher's.
-            os.environ["LOCAL_SIZE"] = str(num_processes)
-            self.owns_local_size = True
+        """What DeepSpeed will be told about the device: on CPU without a launcher's ``LOCAL_SIZE``, the number
+        of ranks on this machine (see :meth:`after_accelerator_selected` and :meth:`deepspeed_calls`)."""
+        self.device_type = device_type
+        self.local_size = num_processes if device_type == "cpu" and "LOCAL_SIZE" not in os.environ else None
 
     def after_accelerator_selected(self, device_type: str) -> None:
         """Once DeepSpeed's accelerator exists: say what it did to torch's deterministic mode, and on an HPU undo its
@@ -82,10 +82,28 @@ class DeviceRuntime:
         change = deterministic_change(self.deterministic_at_trainer, self.deepspeed_hpu_before_trainer)
         if change:
             rank_zero_warn(change)
+        if self.local_size is not None and self.unpin_device_count is None:
+            # DeepSpeed's CPU accelerator counts devices from LOCAL_SIZE, else with a numactl subprocess per call.
+            self.unpin_device_count = pin_device_count(self.local_size)
         if device_type == "hpu":
             hpu.disable_uninitialized_memory_fill()
             self.mode = self.mode or hpu.check_mode(self.requested_mode)
             rank_zero_info(hpu.describe_mode(self.mode, compile_backend() if self.compile else None))
+
+    @contextlib.contextmanager
+    def deepspeed_calls(self) -> Iterator[None]:
+        """Around ``deepspeed.init_distributed`` and engine creation: the variables DeepSpeed reads there and has
+        no argument for, set for the call only (the user's own settings win).
+
+        The op cache (DeepSpeed builds ops inside these calls: FusedAdam, cpu_adagrad, inference kernels); on CPU
+        ``LOCAL_SIZE``, which the shm op's ``initialize`` reads with ``getenv`` to decide whether all ranks are
+        local; on HPU ``DEEPSPEED_USE_HPU``, which Habana's integrations set before ``deepspeed.initialize``.
+        """
+        values = {"LOCAL_SIZE": str(self.local_size)} if self.local_size is not None else {}
+        if self.device_type == "hpu":
+            values["DEEPSPEED_USE_HPU"] = hpu.ENV_DEFAULTS["DEEPSPEED_USE_HPU"]
+        with op_cache(), scoped_environ(values):
+            yield
 
     def before_engine(self, module: Module | None, device: torch.device) -> None:
         """On an HPU: the lazy-mode graph break, and the model moved to the card (the engine expects it there) with
@@ -106,9 +124,9 @@ class DeviceRuntime:
             self.mark_step()
 
     def teardown(self) -> None:
-        if self.owns_local_size:
-            os.environ.pop("LOCAL_SIZE", None)
-            self.owns_local_size = False
+        if self.unpin_device_count is not None:
+            self.unpin_device_count()
+            self.unpin_device_count = None
 
 
 def is_mean(reduce_op: Any) -> bool:

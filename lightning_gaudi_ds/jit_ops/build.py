@@ -25,7 +25,7 @@ from lightning_gaudi_ds.jit_ops.locks import (
     clear_stale_locks,
     inspect_lock,
     lock_path,
-    use_environment_cache,
+    op_cache,
 )
 
 SHM_COMM = "deepspeed_shm_comm"
@@ -114,7 +114,8 @@ def load_op(name: str, builder: Any, say: Callable[[str], None] = say) -> Any:
         watch = _LockWatch(path, say)
         watch.start()
         try:
-            return builder.load(verbose=False)
+            with op_cache():
+                return builder.load(verbose=False)
         except Exception:
             if watch.cleared.is_set() and attempt == 0:
                 say(f"retrying the build of {name} after clearing the dead build's lock")
@@ -162,8 +163,7 @@ class BuildResult:
 
 def build_ops(names: Sequence[str] = tuple(OPS), say: Callable[[str], None] = say) -> list[BuildResult]:
     """Build (or confirm up to date) DeepSpeed ops ``names`` for the active DeepSpeed accelerator, in this
-    environment's op cache (see :func:`~lightning_gaudi_ds.jit_ops.locks.use_environment_cache`)."""
-    use_environment_cache()
+    op cache (see :func:`~lightning_gaudi_ds.jit_ops.locks.extensions_root`)."""
     results = []
     for name in names:
         spec = OPS[name]
@@ -211,7 +211,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(args.ops) - set(OPS))
     if unknown:
         parser.error(f"unknown op(s) {unknown}; known: {', '.join(OPS)}")
-    use_environment_cache()
     if args.action == "clear-stale-locks":
         try:
             clear_stale_locks(args.ops, say)

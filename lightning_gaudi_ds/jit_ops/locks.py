@@ -19,7 +19,7 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +27,7 @@ import psutil
 from filelock import FileLock
 
 from lightning_gaudi_ds import _compat
+from lightning_gaudi_ds._environ import scoped_environ
 
 FIX_COMMAND = "lightning-gaudi-ds env --clear-stale-locks"
 
@@ -36,9 +37,16 @@ class BuildLockError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------ paths
-def extensions_root() -> Path:
-    """Where torch builds extensions (``TORCH_EXTENSIONS_DIR``, else its per-Python, per-build cache dir)."""
-    return _compat.extensions_root()
+CACHE_ENV = "TORCH_EXTENSIONS_DIR"
+
+
+def extensions_root(environ: Mapping[str, str] = os.environ) -> Path:
+    """The op cache DeepSpeed's ops are built in and loaded from: ``TORCH_EXTENSIONS_DIR`` when set, else this
+    environment's own (:func:`environment_cache_dir`), else torch's per-Python, per-build default."""
+    if environ.get(CACHE_ENV):
+        return Path(environ[CACHE_ENV])
+    own = environment_cache_dir(environ=environ)
+    return own if own is not None else _compat.extensions_root()
 
 
 def environment_cache_dir(prefix: str = sys.prefix, base_prefix: str = sys.base_prefix,
@@ -54,15 +62,16 @@ def environment_cache_dir(prefix: str = sys.prefix, base_prefix: str = sys.base_
     return Path(prefix) / "torch_extensions" / _compat.extensions_tag()
 
 
-def use_environment_cache(environ: MutableMapping[str, str] = os.environ) -> Path:
-    """Point ``TORCH_EXTENSIONS_DIR`` at :func:`environment_cache_dir` unless the user set it; return the cache root
-    in use. Run before DeepSpeed builds or loads an op (every rank inherits it from then on)."""
-    if not environ.get("TORCH_EXTENSIONS_DIR"):
-        own = environment_cache_dir(environ=environ)
-        if own is not None:
-            environ["TORCH_EXTENSIONS_DIR"] = str(own)
-    root = environ.get("TORCH_EXTENSIONS_DIR")
-    return Path(root) if root else extensions_root()
+@contextlib.contextmanager
+def op_cache() -> Iterator[Path]:
+    """Around a DeepSpeed op build or load: the op goes to :func:`extensions_root`; ``os.environ`` is as it was after.
+
+    DeepSpeed's ``OpBuilder.load()`` passes no ``build_directory`` to torch's ``load()``, which then reads
+    ``TORCH_EXTENSIONS_DIR``: it is set for this block only (unless the user set it).
+    """
+    root = extensions_root()
+    with scoped_environ({CACHE_ENV: str(root)}):
+        yield root
 
 
 def build_dir(name: str) -> Path:

@@ -33,7 +33,7 @@ from lightning_gaudi_ds.jit_ops.build import (
     say,
     short_error,
 )
-from lightning_gaudi_ds.jit_ops.locks import BuildLockError, clear_stale_locks, use_environment_cache
+from lightning_gaudi_ds.jit_ops.locks import BuildLockError, clear_stale_locks
 
 SHM_MODE_ENV = "LIGHTNING_GAUDI_DS_SHM_COMM"
 SHM_MODES = ("off", "on")
@@ -79,17 +79,25 @@ def prepare_startup(
     offload_optimizer: bool = False,
     world_size: int = 1,
     say: Callable[[str], None] = say,
+    shm_comm: str | None = None,
+    local_size: int | None = None,
 ) -> StartupOps:
     """Run on every rank before ``deepspeed.init_distributed``: never hang on a build lock, never compile silently.
 
     Clears stale build locks of DeepSpeed's JIT ops, decides whether the CPU shm op is loaded (see the module
     docstring) and, with ZeRO-Offload (``offload_optimizer``), loads ``cpu_adam`` (building it once if needed,
-    with a message).
+    with a message). ``shm_comm`` is the shm mode (default: ``LIGHTNING_GAUDI_DS_SHM_COMM``, else off);
+    ``local_size`` the ``LOCAL_SIZE`` DeepSpeed's shm op will see at ``init_distributed`` (default: the variable).
     """
-    use_environment_cache()
     # Ops this run does not load only get a warning for a lock that cannot be judged; loaded ones raise.
     cleared = [str(i.path) for i in clear_stale_locks(tuple(OPS), say, strict=False) if i.state == "stale"]
-    result = _prepare_shm(world_size, say) if deepspeed_accelerator == "cpu" else StartupOps("not used")
+    if deepspeed_accelerator == "cpu":
+        if local_size is None and os.environ.get("LOCAL_SIZE", "").isdigit():
+            local_size = int(os.environ["LOCAL_SIZE"])
+        mode = shm_mode(os.environ if shm_comm is None else {SHM_MODE_ENV: shm_comm})
+        result = _prepare_shm(mode, world_size, local_size, say)
+    else:
+        result = StartupOps("not used")
     result.cleared_locks = cleared
     if offload_optimizer:
         builder = ds_builder(OPS[CPU_ADAM])
@@ -126,8 +134,7 @@ def _disable_shm(reason: str, world_size: int, warn: bool) -> StartupOps:
     return StartupOps("fallback", reason)
 
 
-def _prepare_shm(world_size: int, say: Callable[[str], None]) -> StartupOps:
-    mode = shm_mode()
+def _prepare_shm(mode: str, world_size: int, local_size: int | None, say: Callable[[str], None]) -> StartupOps:
     if not _compat.deepspeed_op_enabled(SHM_COMM):
         return StartupOps("not used", "DeepSpeed reports it incompatible here")
     builder = ds_builder(OPS[SHM_COMM])
@@ -147,12 +154,12 @@ def _prepare_shm(world_size: int, say: Callable[[str], None]) -> StartupOps:
         raise
     except Exception as err:  # every rank sees the same failure (same build dir): all fall back alike
         return _disable_shm(f"its build failed: {short_error(err)}", world_size, warn=True)
-    if os.environ.get("LOCAL_SIZE") != str(world_size):
+    if local_size != world_size:
         from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
         rank_zero_warn(f"{SHM_MODE_ENV}=on: DeepSpeed's shm kernel engages only when LOCAL_SIZE equals the world"
-                       f" size ({world_size}, all ranks on this machine); LOCAL_SIZE is"
-                       f" {os.environ.get('LOCAL_SIZE')!r}, so the op is loaded but unused.")
+                       f" size ({world_size}, all ranks on this machine); LOCAL_SIZE is {local_size}, so the op is"
+                       " loaded but unused.")
     else:
         atexit.register(lambda: _unlink_own_segment(int(os.environ.get("RANK", "0"))))  # RANK: set by then
     return StartupOps("loaded", mode, [SHM_COMM])

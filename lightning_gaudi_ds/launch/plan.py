@@ -251,8 +251,8 @@ def launch_env(spec: LaunchSpec, base: Mapping[str, str], run_dir: Path, token: 
         # Lightning probes MPI in every rank (mpi4py's MPI_Init); without this Open MPI starts a daemon each.
         env.setdefault("OMPI_MCA_ess_singleton_isolated", "1")
     if _gaudi(spec, machine):
-        # habana_frameworks picks its mode at import in each rank: every rank gets it spelled out.
-        env.update(hpu.mode_env(spec.hpu_mode or hpu.mode_from_env(base)))
+        # habana_frameworks picks its mode at import in each rank: every rank gets it spelled out, and the defaults.
+        env.update(hpu.rank_env(spec.hpu_mode or hpu.mode_from_env(base), base))
         if spec.launcher == "deepspeed" and spec.hosts is not None and len(spec.hosts) > 1 and spec.node_rank is None:
             env[DEEPSPEED_ENV_FILE] = str(run_dir / DEEPSPEED_ENV_NAME)
     return env
