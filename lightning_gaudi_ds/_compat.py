@@ -51,6 +51,7 @@ __all__ = [
     "ds_to_universal",
     "extensions_root",
     "forget_jit_extension",
+    "hf_deepspeed_config_ref",
     "is_unimplemented_builder",
     "mark_step_wrapped_for_lr_scheduler",
     "model_states_meta",
@@ -398,3 +399,11 @@ def lm_head_allreduce(head: Any, group: Any, model_config: Any, grain: int) -> A
 # ===================================================================== memory planner (lightning_gaudi_ds.planning)
 # TorchDispatchMode (torch.utils._python_dispatch) sees every operator of forward and backward: on CPU, where
 # torch keeps no allocator statistics, planning.activations samples the heap after each one.
+
+
+# ================================================================ Hugging Face transformers (lightning_gaudi_ds.hf)
+def hf_deepspeed_config_ref() -> Any:
+    """transformers' module-global weak reference to the live ``HfDeepSpeedConfig`` (None when unset)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    return hf_deepspeed._hf_deepspeed_config_weak_ref

@@ -1,0 +1,78 @@
+"""Hugging Face models end to end: ``from_pretrained`` inside ``configure_model`` under ZeRO-3, and the export of a
+sharded checkpoint back to a ``from_pretrained`` directory (tests/jobs/hf_job.py, 2 real ranks on gloo)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.procs import JOBS, run_job
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _run(tmp_path: Path, *args: str, timeout: float = 300) -> list[dict]:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers' DeepSpeed integration (HfDeepSpeedConfig) needs it
+    run_job([sys.executable, str(JOBS / "hf_job.py"), "--out", str(tmp_path), *args], timeout).check()
+    results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert len(results) == 2, results
+    return results
+
+
+def _check_pretrained_loaded(results: list[dict], tolerance: float) -> None:
+    for r in results:
+        assert len(r["shards"]) > 1, r["shards"]  # a sharded safetensors checkpoint was loaded
+        assert r["zero3_inside"] is True, r  # transformers knew ZeRO-3 was on inside configure_model ...
+        assert r["zero3_after"] is False and r["hf_ref_after"] is False, r  # ... and nothing of it is left behind
+        # the first step's loss is the pretrained model's on that batch: the saved weights were loaded
+        assert abs(r["losses"][0] - r["reference_loss"]) <= tolerance * abs(r["reference_loss"]), r
+        # partitioned from the start: this rank never held much more than its half of the parameters
+        assert r["peak_bytes"] < 0.6 * r["total_bytes"], r
+
+
+def test_zero3_from_pretrained_loads_into_partitions_and_exports_back(tmp_path: Path) -> None:
+    results = _run(tmp_path, "--stage", "3", "--export")
+    _check_pretrained_loaded(results, 1e-6)
+    assert results[0]["dtypes"] == ["torch.float32"]
+    exported = results[0]
+    assert exported["loading_info"] == {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [],
+                                        "error_msgs": []}
+    assert "config.json" in exported["export_files"] and "model.safetensors" in exported["export_files"]
+    assert exported["logit_diff"] <= 1e-5 * exported["logit_scale"], exported
+    # the CLI writes the same directory from the same checkpoint
+    out = tmp_path / "cli_hf"
+    cli = run_job([sys.executable, "-m", "lightning_gaudi_ds", "convert", str(tmp_path / "trained.ckpt"), str(out),
+                   "--to", "hf", "--max-shard-size", "100KB"], 120).check()
+    assert "wrote" in cli.output
+    check = (
+        "import sys, torch; from transformers import AutoModelForCausalLM;"
+        "m, info = AutoModelForCausalLM.from_pretrained(sys.argv[1], output_loading_info=True);"
+        "ref = torch.load(sys.argv[2]);"
+        "d = (m.eval()(input_ids=ref['probe']).logits - ref['logits']).abs().max().item();"
+        "bad = {k: v for k, v in info.items() if v}; assert not bad, bad; assert d < 1e-5, d; print('equal', d)"
+    )
+    loaded = run_job([sys.executable, "-c", check, str(out), str(tmp_path / "trained_logits.pt")], 120).check()
+    assert "equal" in loaded.output
+    assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
+
+
+def test_zero3_from_pretrained_in_bf16(tmp_path: Path) -> None:
+    results = _run(tmp_path, "--stage", "3", "--dtype", "bf16", "--max-shard-size", "100KB")
+    _check_pretrained_loaded(results, 1e-3)
+    for r in results:
+        assert r["dtypes"] == ["torch.bfloat16"], r
+
+
+def test_zero2_tied_embeddings_export_round_trip(tmp_path: Path) -> None:
+    results = _run(tmp_path, "--stage", "2", "--tied", "--export")
+    for r in results:  # outside ZeRO-3 nothing changes: transformers is not told about DeepSpeed
+        assert r["zero3_inside"] is False and r["zero3_after"] is False, r
+        assert r["losses"][0] == pytest.approx(r["reference_loss"], rel=1e-6)
+    exported = results[0]
+    assert not any(exported["loading_info"].values()), exported["loading_info"]
+    assert exported["tied_after_export"] is True
+    assert exported["logit_diff"] <= 1e-5 * exported["logit_scale"], exported
