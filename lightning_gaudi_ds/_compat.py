@@ -62,6 +62,7 @@ __all__ = [
     "set_deepspeed_accelerator",
     "train_dataloaders",
     "universal_checkpoint_loading",
+    "zero_init_paused",
 ]
 
 
@@ -407,3 +408,19 @@ def hf_deepspeed_config_ref() -> Any:
     from transformers.integrations import deepspeed as hf_deepspeed
 
     return hf_deepspeed._hf_deepspeed_config_weak_ref
+
+
+@contextlib.contextmanager
+def zero_init_paused() -> Iterator[None]:
+    """Inside an active ``deepspeed.zero.Init``, modules built here get whole parameters (DeepSpeed's own pause,
+    used by ``deepspeed.initialize`` inside Init); nothing changes outside one."""
+    from deepspeed.runtime.zero import partition_parameters
+
+    active = partition_parameters.top_level_context is not None
+    if active:
+        partition_parameters.shutdown_init_context()
+    try:
+        yield
+    finally:
+        if active:
+            partition_parameters.restore_init_context()

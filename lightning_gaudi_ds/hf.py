@@ -66,6 +66,17 @@ def zero3_loading(config: dict[str, Any] | None) -> Iterator[None]:
         del hf_config
 
 
+@contextlib.contextmanager
+def zero3_init_paused() -> Iterator[None]:
+    """Inside ``configure_model`` under ZeRO-3: modules created here are built whole and initialized as usual;
+    ``deepspeed.initialize`` partitions them later (after a broadcast from rank 0). For model surgery after
+    ``from_pretrained`` whose initialization writes into the new parameters, such as PEFT's
+    ``get_peft_model`` (LoRA's ``B`` is zeroed after construction; on a partitioned placeholder that does nothing).
+    Outside ZeRO-3's partitioned construction it changes nothing."""
+    with _compat.zero_init_paused():
+        yield
+
+
 # ----------------------------------------------------------------------------------- what a checkpoint records
 HF_MODELS = "hugging_face_models"  # key of the Lightning checkpoint: {prefix: HFModelInfo} for the export
 

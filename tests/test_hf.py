@@ -76,3 +76,12 @@ def test_zero2_tied_embeddings_export_round_trip(tmp_path: Path) -> None:
     assert not any(exported["loading_info"].values()), exported["loading_info"]
     assert exported["tied_after_export"] is True
     assert exported["logit_diff"] <= 1e-5 * exported["logit_scale"], exported
+
+
+def test_zero3_peft_lora_after_from_pretrained(tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    results = _run(tmp_path, "--stage", "3", "--peft", "--max-shard-size", "100KB")
+    # LoRA's B starts at zero (built under zero3_init_paused): the first loss is still the pretrained model's
+    _check_pretrained_loaded(results, 1e-6)
+    for r in results:
+        assert r["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in r["trainable"]), r["trainable"]

@@ -119,7 +119,11 @@ class FineTune(L.LightningModule):
         if self.peft:
             from peft import LoraConfig, get_peft_model
 
-            self.model = get_peft_model(self.model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+            from lightning_gaudi_ds.hf import zero3_init_paused
+
+            with zero3_init_paused():  # LoRA's B starts at zero: written after construction
+                self.model = get_peft_model(self.model, LoraConfig(r=4, lora_alpha=8,
+                                                                   target_modules=["q_proj", "v_proj"]))
             self.facts["trainable"] = sorted(n for n, p in self.model.named_parameters() if p.requires_grad)
         self.facts["dtypes"] = sorted({str(p.dtype) for p in self.model.parameters()})
 
