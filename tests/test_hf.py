@@ -85,3 +85,25 @@ def test_zero3_peft_lora_after_from_pretrained(tmp_path: Path) -> None:
     _check_pretrained_loaded(results, 1e-6)
     for r in results:
         assert r["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in r["trainable"]), r["trainable"]
+
+
+def _moe(out: Path, *args: str, timeout: float = 240) -> tuple[object, list[dict]]:
+    out.mkdir()
+    job = run_job([sys.executable, str(JOBS / "moe_job.py"), "--out", str(out), *args], timeout)
+    return job, [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+
+
+def test_zero3_leaf_modules_for_experts_that_ranks_route_differently(tmp_path: Path) -> None:
+    job, zero3 = _moe(tmp_path / "zero3", "--strategy", "zero3")
+    job.check()
+    _, ddp = _moe(tmp_path / "ddp", "--strategy", "ddp")
+    assert len(zero3) == len(ddp) == 2
+    assert all(r["leaf"] for r in zero3)
+    # the premise: the two ranks ran different experts in some step
+    assert any(a != b for a, b in zip(zero3[0]["ran"], zero3[1]["ran"])), zero3
+    for z, d in zip(zero3, ddp):  # and trained as Lightning's DDP does on the same ranks and data
+        assert z["ran"] == d["ran"]
+        assert z["losses"] == pytest.approx(d["losses"], rel=1e-5, abs=1e-6)
+    # without the leaf modules, ZeRO-3 fetches per expert, and the ranks' fetch orders disagree
+    failed, _ = _moe(tmp_path / "no_leaf", "--strategy", "zero3", "--no-leaf", timeout=150)
+    assert failed.timed_out or failed.returncode != 0, failed.output[-2000:]
