@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import JOBS, run_job
+from tests.procs import JOBS, JobResult, run_job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -87,7 +87,7 @@ def test_zero3_peft_lora_after_from_pretrained(tmp_path: Path) -> None:
         assert r["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in r["trainable"]), r["trainable"]
 
 
-def _moe(out: Path, *args: str, timeout: float = 240) -> tuple[object, list[dict]]:
+def _moe(out: Path, *args: str, timeout: float = 240) -> tuple[JobResult, list[dict]]:
     out.mkdir()
     job = run_job([sys.executable, str(JOBS / "moe_job.py"), "--out", str(out), *args], timeout)
     return job, [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
@@ -107,3 +107,16 @@ def test_zero3_leaf_modules_for_experts_that_ranks_route_differently(tmp_path: P
     # without the leaf modules, ZeRO-3 fetches per expert, and the ranks' fetch orders disagree
     failed, _ = _moe(tmp_path / "no_leaf", "--strategy", "zero3", "--no-leaf", timeout=150)
     assert failed.timed_out or failed.returncode != 0, failed.output[-2000:]
+
+
+def test_finetune_hf_example_fine_tunes_under_zero3_and_exports(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    job = run_job([sys.executable, str(examples / "finetune_hf.py"), "fit", "--config",
+                   str(examples / "configs" / "hf" / "zero3_finetune.yaml"), "--trainer.max_steps", "2"], 400,
+                  cwd=tmp_path).check()
+    assert "from_pretrained: no missing or unexpected keys" in job.output, job.output[-3000:]
+    exported = next(tmp_path.glob("runs/finetune_hf/lightning_logs/version_*/hf"))
+    names = {p.name for p in exported.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names, names
+    assert (tmp_path / "runs" / "finetune_hf" / "tiny-llama" / "config.json").is_file()  # made by the example
