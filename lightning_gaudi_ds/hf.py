@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 
 from lightning_gaudi_ds import _compat
+from lightning_gaudi_ds.checkpoint import export
 from lightning_gaudi_ds.config import ConfigError
 
 
@@ -78,7 +79,7 @@ def zero3_init_paused() -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------------- what a checkpoint records
-HF_MODELS = "hugging_face_models"  # key of the Lightning checkpoint: {prefix: HFModelInfo} for the export
+HF_MODELS = export.HF_MODELS  # the Lightning checkpoint's key for what model_info returns
 
 
 def model_info(module: Module) -> dict[str, dict[str, Any]]:

@@ -2,7 +2,7 @@
 
 The weights are read once, merged to fp32 (:func:`~lightning_gaudi_ds.checkpoint.convert.read_fp32_checkpoint`);
 the model's class, config and tokenizer come from the checkpoint itself, where the strategy recorded them at save
-(:func:`lightning_gaudi_ds.hf.model_info`). transformers then writes the directory: the model is built on the meta
+(:func:`lightning_gaudi_ds.hf.model_info`, under :data:`HF_MODELS`). transformers then writes the directory: the model is built on the meta
 device, given the merged tensors, its tied weights tied again, and saved with ``save_pretrained``.
 """
 
@@ -17,7 +17,8 @@ import torch
 
 from lightning_gaudi_ds.checkpoint.convert import read_fp32_checkpoint
 from lightning_gaudi_ds.checkpoint.io import PARTIAL, CheckpointError, PathLike
-from lightning_gaudi_ds.hf import HF_MODELS
+
+HF_MODELS = "hugging_face_models"  # key of the Lightning checkpoint: {prefix: {"class", "config", "tokenizer"}}
 
 
 def export_hf(
