@@ -431,3 +431,27 @@ def test_torch_dispatch_mode() -> None:
     mode = _attr("torch.utils._python_dispatch", "TorchDispatchMode", TORCH,
                  "planning.activations.HostPeak (activation and peak memory measured on CPU)")
     assert hasattr(mode, "__torch_dispatch__") and hasattr(mode, "__enter__")
+
+
+# ================================================================ Hugging Face transformers (lightning_gaudi_ds.hf)
+def test_transformers_deepspeed_config_global() -> None:
+    pytest.importorskip("transformers")
+    library = f"transformers {version('transformers')}"
+    _attr("transformers.integrations.deepspeed", "_hf_deepspeed_config_weak_ref", library,
+          "hf.zero3_loading (puts back the HfDeepSpeedConfig transformers referred to before)")
+    for name in ("HfDeepSpeedConfig", "set_hf_deepspeed_config", "unset_hf_deepspeed_config"):
+        _attr("transformers.integrations.deepspeed", name, library, "hf.zero3_loading")
+    assert _compat.hf_deepspeed_config_ref() is None
+
+
+def test_zero_init_pause() -> None:
+    import deepspeed
+    import torch
+
+    for name in ("top_level_context", "shutdown_init_context", "restore_init_context"):
+        _attr("deepspeed.runtime.zero.partition_parameters", name, DEEPSPEED,
+              "hf.zero3_init_paused (whole modules inside configure_model under ZeRO-3, e.g. PEFT's adapters)")
+    with _compat.zero_init_paused():  # outside any zero.Init: nothing to pause
+        assert torch.nn.Linear(2, 2).weight.numel() == 4
+    with deepspeed.zero.Init(enabled=False), _compat.zero_init_paused():
+        assert torch.nn.Linear(2, 2).weight.numel() == 4
