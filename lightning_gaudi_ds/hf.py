@@ -115,7 +115,7 @@ def leaf_module_classes(value: Sequence[type[Module] | str] | None) -> tuple[typ
     if value is None:
         return ()
     if isinstance(value, (str, type)) or not isinstance(value, Sequence):
-        value = [value]  # type: ignore[list-item]
+        value = [value]
     classes = []
     for item in value:
         cls = _import_class(item) if isinstance(item, str) else item

@@ -2,8 +2,9 @@
 
 The weights are read once, merged to fp32 (:func:`~lightning_gaudi_ds.checkpoint.convert.read_fp32_checkpoint`);
 the model's class, config and tokenizer come from the checkpoint itself, where the strategy recorded them at save
-(:func:`lightning_gaudi_ds.hf.model_info`, under :data:`HF_MODELS`). transformers then writes the directory: the model is built on the meta
-device, given the merged tensors, its tied weights tied again, and saved with ``save_pretrained``.
+(:func:`lightning_gaudi_ds.hf.model_info`, under :data:`HF_MODELS`). transformers then writes the directory: the
+model is built on the meta device, given the merged tensors, its tied weights tied again, and saved with
+``save_pretrained``.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def _build(entry: dict[str, Any], state: dict[str, torch.Tensor]) -> Any:
     import transformers
 
     cls = getattr(transformers, str(entry["class"]), None)
-    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) and cls.config_class):
         raise CheckpointError(f"the checkpoint's model class {entry['class']!r} is not a model class of the installed"
                               f" transformers {transformers.__version__}.")
     config = cls.config_class.from_dict(entry["config"])
