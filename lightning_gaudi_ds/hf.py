@@ -86,18 +86,26 @@ def model_info(module: Module) -> dict[str, dict[str, Any]]:
     """The Hugging Face models inside ``module`` as plain data, for :func:`~lightning_gaudi_ds.checkpoint.export_hf`.
 
     ``{prefix: {"class": "LlamaForCausalLM", "config": {...}, "tokenizer": {file name: bytes}}}``, one entry per
-    outermost ``PreTrainedModel`` (``prefix``: its name in the module's ``state_dict``, ``""`` for the module itself).
-    The tokenizer is the module's attribute that is a transformers tokenizer, if any. Empty without transformers.
+    outermost ``PreTrainedModel`` or PEFT ``PeftModel`` (``prefix``: its name in the module's ``state_dict``, ``""``
+    for the module itself); a ``PeftModel``'s entry describes its base model and adds ``"peft"``: its adapters'
+    configs by name. The tokenizer is the module's attribute that is a transformers tokenizer, if any. Empty without
+    transformers.
     """
     if "transformers" not in sys.modules:  # a module holding a Hugging Face model has imported it
         return {}
     import transformers
 
+    peft_model = getattr(sys.modules.get("peft"), "PeftModel", ())
     found: dict[str, dict[str, Any]] = {}
     for name, sub in module.named_modules():
-        if isinstance(sub, transformers.PreTrainedModel) and not any(
-            name == p or name.startswith(p + ".") or p == "" for p in found
-        ):
+        if any(name == p or name.startswith(p + ".") or p == "" for p in found):
+            continue
+        if peft_model and isinstance(sub, peft_model):
+            base = sub.get_base_model()
+            found[name] = {"class": type(base).__name__, "config": json.loads(base.config.to_json_string()),
+                           "peft": {k: json.loads(json.dumps(c.to_dict(), default=_json_default))
+                                    for k, c in sub.peft_config.items()}}
+        elif isinstance(sub, transformers.PreTrainedModel):
             found[name] = {"class": type(sub).__name__, "config": json.loads(sub.config.to_json_string())}
     tokenizers = [v for v in vars(module).values() if isinstance(v, transformers.PreTrainedTokenizerBase)]
     if found and tokenizers:
@@ -107,6 +115,10 @@ def model_info(module: Module) -> dict[str, dict[str, Any]]:
         for entry in found.values():
             entry["tokenizer"] = files
     return found
+
+
+def _json_default(value: Any) -> Any:
+    return sorted(value) if isinstance(value, (set, frozenset)) else str(value)  # PEFT's target_modules is a set
 
 
 # ------------------------------------------------------------------------------- ZeRO-3 leaf modules (MoE)

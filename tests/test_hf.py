@@ -80,11 +80,20 @@ def test_zero2_tied_embeddings_export_round_trip(tmp_path: Path) -> None:
 
 def test_zero3_peft_lora_after_from_pretrained(tmp_path: Path) -> None:
     pytest.importorskip("peft")
-    results = _run(tmp_path, "--stage", "3", "--peft", "--max-shard-size", "100KB")
+    results = _run(tmp_path, "--stage", "3", "--peft", "--export", "--max-shard-size", "100KB")
     # LoRA's B starts at zero (built under zero3_init_paused): the first loss is still the pretrained model's
     _check_pretrained_loaded(results, 1e-6)
     for r in results:
         assert r["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in r["trainable"]), r["trainable"]
+    exported = results[0]
+    # the adapters alone, loaded onto the pretrained model, give the trained model's logits (which the training
+    # moved away from the pretrained model's) ...
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(exported["adapter_files"]), exported
+    assert exported["adapter_logit_diff"] <= 1e-5 * exported["logit_scale"], exported
+    assert exported["pretrained_logit_diff"] > 100 * max(exported["adapter_logit_diff"], 1e-7), exported
+    # ... and so does the merged model, a plain from_pretrained directory
+    assert not any(exported["loading_info"].values()), exported["loading_info"]
+    assert exported["logit_diff"] <= 1e-5 * exported["logit_scale"], exported
 
 
 def _moe(out: Path, *args: str, timeout: float = 240) -> tuple[JobResult, list[dict]]:

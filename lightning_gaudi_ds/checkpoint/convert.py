@@ -139,6 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--module", default=None,
                         help="--to hf: the model's attribute in the LightningModule, when it holds several")
     parser.add_argument("--max-shard-size", default="5GB", help="--to hf: largest safetensors shard (default 5GB)")
+    parser.add_argument("--merge-adapters", action="store_true",
+                        help="--to hf, a PEFT model: write the model with its adapters merged, not the adapters")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.to == "hf":
             folder = export.export_hf(args.checkpoint_dir, args.output_file, tag=args.tag, module=args.module,
-                                      max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+                                      max_shard_size=args.max_shard_size, merge_adapters=args.merge_adapters,
+                                      overwrite=args.overwrite)
             print(f"wrote {folder}: {', '.join(sorted(p.name for p in folder.iterdir()))}")
             return 0
         if args.to == "safetensors":

@@ -24,17 +24,21 @@ HF_MODELS = "hugging_face_models"  # key of the Lightning checkpoint: {prefix: {
 
 def export_hf(
     checkpoint_dir: PathLike, output_dir: PathLike, *, tag: str | None = None, module: str | None = None,
-    max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None, overwrite: bool = False,
+    max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None, merge_adapters: bool = False,
+    overwrite: bool = False,
 ) -> Path:
     """Write the Hugging Face model of a ZeRO checkpoint (any stage, any world size) as a ``from_pretrained``
     directory: ``config.json``, safetensors shards (with their index when there are several), the tokenizer's files
-    when the LightningModule had a ``tokenizer``.
+    when the LightningModule had a ``tokenizer``. For a PEFT model: its adapters (``adapter_model.safetensors``,
+    ``adapter_config.json``, for ``PeftModel.from_pretrained(base, output_dir)``), or with ``merge_adapters`` the
+    base model with the adapters merged in (a plain ``from_pretrained`` directory; needs ``peft`` either way).
 
     Args:
         module: the model's attribute path in the LightningModule (``"model"`` for ``self.model``); needed only when
             the module holds more than one Hugging Face model.
         max_shard_size: the largest safetensors shard, as ``save_pretrained`` takes it.
         dtype: cast the weights (default: fp32, as merged).
+        merge_adapters: a PEFT model: write the merged model instead of the adapters.
         overwrite: replace an existing ``output_dir``.
 
     Returns the directory. Tied weights (``lm_head`` and the embeddings) are written once, as transformers does.
@@ -46,6 +50,8 @@ def export_hf(
     state = {k.removeprefix(prefix + ".") if prefix else k: v for k, v in checkpoint["state_dict"].items()
              if not prefix or k.startswith(prefix + ".")}
     model = _build(entry, state)
+    if merge_adapters and "peft" in entry:
+        model = model.merge_and_unload()
     if dtype is not None:
         model.to(dtype)
     tmp = output_dir.with_name(output_dir.name + PARTIAL)
@@ -129,6 +135,8 @@ def _build(entry: dict[str, Any], state: dict[str, torch.Tensor]) -> Any:
     config = cls.config_class.from_dict(entry["config"])
     with torch.device("meta"):
         model = cls(config)
+        if entry.get("peft"):
+            model = _with_adapters(model, entry["peft"])
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     still_meta = [name for name, p in model.named_parameters() if p.is_meta]
@@ -138,3 +146,17 @@ def _build(entry: dict[str, Any], state: dict[str, torch.Tensor]) -> Any:
             f" unexpected {unexpected}."
         )
     return model.eval()
+
+
+def _with_adapters(model: Any, adapters: dict[str, dict[str, Any]]) -> Any:
+    """``model`` wrapped in a ``PeftModel`` with the recorded adapters (on the meta device, like ``model``)."""
+    try:
+        import peft
+    except ImportError as err:
+        raise CheckpointError(f"the checkpoint's model has PEFT adapters ({', '.join(adapters)}): exporting it needs"
+                              " peft (`pip install peft`).") from err
+    (first, config), *others = adapters.items()
+    wrapped = peft.get_peft_model(model, peft.get_peft_config(config), adapter_name=first)
+    for name, config in others:
+        wrapped.add_adapter(name, peft.get_peft_config(config))
+    return wrapped

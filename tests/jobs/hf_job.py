@@ -7,7 +7,8 @@ the reference in plain PyTorch: that directory loaded with ``from_pretrained``, 
 on the first batch. ``configure_model`` calls ``from_pretrained`` under ``HPUDeepSpeedStrategy(stage=--stage)``
 while a sampler thread and a parameter-registration hook record the most parameter bytes this rank holds during
 the load. After ``--steps`` steps the job saves a checkpoint, and (``--export``) rank 0 exports it with
-``export_hf`` and loads the export with ``from_pretrained``, whose logits must equal the trained model's.
+``export_hf`` and loads the export with ``from_pretrained``, whose logits must equal the trained model's
+(``--peft``: the adapters, with ``PeftModel.from_pretrained``, and the merged model).
 
 ``<out>/rank<N>.json``: the reference loss, the first training-step loss, ZeRO-3 as transformers saw it inside and
 after ``configure_model``, the peak and total parameter bytes, the loaded dtype; on rank 0 also the export's
@@ -191,7 +192,16 @@ def main() -> None:
         if rank == 0:
             from lightning_gaudi_ds import export_hf
 
-            exported = export_hf(ckpt, args.out / "hf")
+            if args.peft:  # the adapters, for PeftModel.from_pretrained on the pretrained model
+                from peft import PeftModel
+
+                adapters = export_hf(ckpt, args.out / "adapters")
+                base = AutoModelForCausalLM.from_pretrained(pretrained)
+                untrained = float((logits_of(base, probe) - trained_logits).abs().max())  # the adapters matter
+                with_adapters = PeftModel.from_pretrained(base, adapters).eval()
+                result.update(adapter_files=sorted(p.name for p in adapters.iterdir()), pretrained_logit_diff=untrained,
+                              adapter_logit_diff=float((logits_of(with_adapters, probe) - trained_logits).abs().max()))
+            exported = export_hf(ckpt, args.out / "hf", merge_adapters=args.peft)
             loaded, info = AutoModelForCausalLM.from_pretrained(exported, output_loading_info=True)
             result.update(
                 loading_info={k: sorted(map(str, v)) for k, v in info.items()},
