@@ -445,13 +445,11 @@ def test_transformers_deepspeed_config_global() -> None:
 
 
 def test_zero_init_pause() -> None:
-    import deepspeed
     import torch
 
     for name in ("top_level_context", "shutdown_init_context", "restore_init_context"):
         _attr("deepspeed.runtime.zero.partition_parameters", name, DEEPSPEED,
               "hf.zero3_init_paused (whole modules inside configure_model under ZeRO-3, e.g. PEFT's adapters)")
-    with _compat.zero_init_paused():  # outside any zero.Init: nothing to pause
-        assert torch.nn.Linear(2, 2).weight.numel() == 4
-    with deepspeed.zero.Init(enabled=False), _compat.zero_init_paused():
+    # outside any zero.Init: nothing to pause (inside one: tests/test_hf.py, PEFT under ZeRO-3, needs a process group)
+    with _compat.zero_init_paused():
         assert torch.nn.Linear(2, 2).weight.numel() == 4

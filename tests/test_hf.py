@@ -58,6 +58,15 @@ def test_zero3_from_pretrained_loads_into_partitions_and_exports_back(tmp_path: 
     loaded = run_job([sys.executable, "-c", check, str(out), str(tmp_path / "trained_logits.pt")], 120).check()
     assert "equal" in loaded.output
     assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
+    # --to safetensors: the LightningModule's state dict in one file, the same tensors as the export's
+    from safetensors.torch import load_file
+
+    plain = tmp_path / "model.safetensors"
+    run_job([sys.executable, "-m", "lightning_gaudi_ds", "convert", str(tmp_path / "trained.ckpt"), str(plain),
+             "--to", "safetensors"], 120).check()
+    state, hf_state = load_file(plain), load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(state) == sorted("model." + k for k in hf_state)
+    assert all(state["model." + k].equal(v) for k, v in hf_state.items())
 
 
 def test_zero3_from_pretrained_in_bf16(tmp_path: Path) -> None:

@@ -117,6 +117,12 @@ def test_export_hf_loads_with_from_pretrained_and_equal_logits(tmp_path: Path, t
     assert not (tmp_path / "hf.partial").exists()
     assert main(["convert", str(ckpt), str(out), "--to", "hf"]) == 2  # exists: --overwrite
     assert main(["convert", str(ckpt), str(out), "--to", "hf", "--overwrite"]) == 0
+    folder = tmp_path / "not_a_model"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(Exception, match="holds no Hugging Face model; --overwrite replaces only an earlier export"):
+        export_hf(ckpt, folder, overwrite=True)
+    assert (folder / "notes.txt").read_text() == "mine"
 
 
 def test_export_hf_writes_the_tokenizer_files(tmp_path: Path) -> None:

@@ -45,6 +45,13 @@ def export_hf(
     """
     output_dir = Path(output_dir)
     _check_output(Path(checkpoint_dir), output_dir, overwrite)
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not any(
+        (output_dir / name).is_file() for name in ("config.json", "adapter_config.json")
+    ):  # --overwrite replaces a model directory, never an arbitrary folder
+        raise CheckpointError(f"output {str(output_dir)!r} is a folder that holds no Hugging Face model; --overwrite"
+                              " replaces only an earlier export. Pass a new or empty directory.")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise CheckpointError(f"output {str(output_dir)!r} is a file; --to hf writes a directory.")
     checkpoint = read_fp32_checkpoint(checkpoint_dir, tag)
     prefix, entry = _choose_model(checkpoint, checkpoint_dir, module)
     state = {k.removeprefix(prefix + ".") if prefix else k: v for k, v in checkpoint["state_dict"].items()
