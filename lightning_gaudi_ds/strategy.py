@@ -364,9 +364,11 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     @contextlib.contextmanager
     def model_sharded_context(self) -> Iterator[None]:
-        # Lightning's zero.Init (which resolves the config first); under ZeRO-3 transformers is told, so that
-        # `from_pretrained` in configure_model loads into the partitions (lightning_gaudi_ds.hf).
-        with super().model_sharded_context(), hf.zero3_loading(self.config if self.zero_stage_3 else None):
+        # Lightning's zero.Init; under ZeRO-3 transformers is told around it, so that `from_pretrained` in
+        # configure_model loads into the partitions (lightning_gaudi_ds.hf). Resolved first (as Lightning's does),
+        # so that transformers is imported, if at all, before zero.Init patches module construction.
+        self._init_config_if_needed()
+        with hf.zero3_loading(self.config if self.zero_stage_3 else None), super().model_sharded_context():
             yield
 
     # ------------------------------------------------------------------------------------- engine
