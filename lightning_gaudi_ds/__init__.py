@@ -30,6 +30,8 @@ if TYPE_CHECKING:
         IncompleteCheckpointError,
         NotACheckpointError,
         convert_zero_checkpoint_to_fp32_state_dict,
+        export_hf,
+        export_safetensors,
     )
     from lightning_gaudi_ds.config import ConfigError, ConfigNotFoundError
     from lightning_gaudi_ds.jit_ops import BuildLockError
@@ -53,6 +55,8 @@ __all__ = [
     "NotACheckpointError",
     "__version__",
     "convert_zero_checkpoint_to_fp32_state_dict",
+    "export_hf",
+    "export_safetensors",
     "plan_memory",
 ]
 try:
@@ -75,6 +79,8 @@ _EXPORTS = {
     "LightningCLI": "lightning_gaudi_ds.lightning_cli",
     "NotACheckpointError": "lightning_gaudi_ds.checkpoint",
     "convert_zero_checkpoint_to_fp32_state_dict": "lightning_gaudi_ds.checkpoint",
+    "export_hf": "lightning_gaudi_ds.checkpoint",
+    "export_safetensors": "lightning_gaudi_ds.checkpoint",
     "plan_memory": "lightning_gaudi_ds.planning",
 }
 # Modules that register themselves with Lightning's registries when imported.

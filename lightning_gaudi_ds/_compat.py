@@ -56,6 +56,7 @@ __all__ = [
     "ds_to_universal",
     "extensions_root",
     "forget_jit_extension",
+    "hf_deepspeed_config_ref",
     "is_unimplemented_builder",
     "give_bf16_optimizer_zero_grad",
     "zero3_backward_requires_training_mode",
@@ -71,6 +72,7 @@ __all__ = [
     "set_deepspeed_accelerator",
     "train_dataloaders",
     "universal_checkpoint_loading",
+    "zero_init_paused",
 ]
 
 
@@ -573,3 +575,27 @@ def lm_head_allreduce(head: Any, group: Any, model_config: Any, grain: int) -> A
 # ===================================================================== memory planner (lightning_gaudi_ds.planning)
 # TorchDispatchMode (torch.utils._python_dispatch) sees every operator of forward and backward: on CPU, where
 # torch keeps no allocator statistics, planning.activations samples the heap after each one.
+
+
+# ================================================================ Hugging Face transformers (lightning_gaudi_ds.hf)
+def hf_deepspeed_config_ref() -> Any:
+    """transformers' module-global weak reference to the live ``HfDeepSpeedConfig`` (None when unset)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    return hf_deepspeed._hf_deepspeed_config_weak_ref
+
+
+@contextlib.contextmanager
+def zero_init_paused() -> Iterator[None]:
+    """Inside an active ``deepspeed.zero.Init``, modules built here get whole parameters (DeepSpeed's own pause,
+    used by ``deepspeed.initialize`` inside Init); nothing changes outside one."""
+    from deepspeed.runtime.zero import partition_parameters
+
+    active = partition_parameters.top_level_context is not None
+    if active:
+        partition_parameters.shutdown_init_context()
+    try:
+        yield
+    finally:
+        if active:
+            partition_parameters.restore_init_context()

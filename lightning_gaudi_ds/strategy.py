@@ -21,7 +21,7 @@ import functools
 import logging
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -40,7 +40,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gaudi_ds import checkpoint as ckpt
-from lightning_gaudi_ds import hpu
+from lightning_gaudi_ds import hf, hpu
 from lightning_gaudi_ds._compat import (
     _PATH,
     _format_precision_config,
@@ -145,6 +145,10 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         replace_method: accepted for lightning-habana compatibility (``"auto"``); DeepSpeed ignores it.
         enable_cuda_graph: capture the forward as a CUDA graph (CUDA, tp_size 1) or an HPU graph (Gaudi).
             These six may also be keys of ``config``; see :mod:`lightning_gaudi_ds.engine.inference`.
+        zero3_leaf_modules: under ZeRO-3, module classes (or their import paths) whose parameters are gathered
+            all at once when the module runs, not per submodule: mixture-of-experts blocks such as
+            ``"transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock"``, whose experts run on some
+            ranks and not others (DeepSpeed's ``set_z3_leaf_modules``). Ignored at stages 0-2.
         **kwargs: every other argument of :class:`lightning.pytorch.strategies.DeepSpeedStrategy`, such as
             ``logging_batch_size_per_gpu`` (DeepSpeed's micro batch for its throughput logging, as in Lightning).
     """
@@ -174,6 +178,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         injection_policy: dict[Any, Any] | None = None,
         replace_method: str | None = None,
         enable_cuda_graph: bool | None = None,
+        zero3_leaf_modules: Sequence[type[Module] | str] | None = None,
         **kwargs: Any,
     ) -> None:
         if hpu_mode not in (None, "eager", "lazy"):
@@ -248,6 +253,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             zero_args = {**self._resolver.explicit_args, **({"stage": AUTO} if self._auto is not None else {})}
             inference.check_zero_options(self._inference, zero_args, self.config)
         self._inference_dtype: torch.dtype | None = None
+        self._leaf_modules = hf.leaf_module_classes(zero3_leaf_modules)
 
     @property
     def torch_compile(self) -> bool:
@@ -376,6 +382,16 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         with _third_party_deprecations_silenced():
             super().setup(trainer)
 
+    @override
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Iterator[None]:
+        # Lightning's zero.Init; under ZeRO-3 transformers is told around it, so that `from_pretrained` in
+        # configure_model loads into the partitions (lightning_gaudi_ds.hf). Resolved first (as Lightning's does),
+        # so that transformers is imported, if at all, before zero.Init patches module construction.
+        self._init_config_if_needed()
+        with hf.zero3_loading(self.config if self.zero_stage_3 else None), super().model_sharded_context():
+            yield
+
     # ------------------------------------------------------------------------------------- engine
     def _deepspeed_args(self) -> argparse.Namespace:
         # Lightning passes root_device.index, which is None on CPU and HPU; DeepSpeed needs the local rank.
@@ -394,6 +410,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         # fork) pops keys out of the dict it is given (optimizer.params' torch_adam, adam_w_mode).
         import deepspeed
 
+        self._mark_leaf_modules(model)
         with self._runtime.deepspeed_calls():
             engine, ds_optimizer, _, _ = deepspeed.initialize(
                 args=self._deepspeed_args(),
@@ -420,8 +437,13 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             self.model = inference.init_engine(model, self._inference, self._inference_dtype, device, self.world_size)
             return
         assert isinstance(self.config, dict)
+        self._mark_leaf_modules(model)
         self.model = inference.init_zero_engine(model, self.config, self._deepspeed_args(),
                                                 zero_stage_3=self.zero_stage_3)
+
+    def _mark_leaf_modules(self, model: Module) -> None:
+        if self._leaf_modules and self.zero_stage_3:
+            hf.mark_leaf_modules(model, self._leaf_modules)
 
     @override
     def _initialize_deepspeed_train(self, model: Module) -> None:
@@ -668,6 +690,9 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:  # Lightning's own error
             return super().save_checkpoint(checkpoint, filepath, storage_options)
+        models = hf.model_info(self.lightning_module) if self.lightning_module is not None else {}
+        if models:  # what `lightning-gaudi-ds convert --to hf` needs besides the weights
+            checkpoint = {**checkpoint, hf.HF_MODELS: models}
         ckpt.save(checkpoint, filepath, self, functools.partial(super().save_checkpoint, checkpoint),
                   lambda: self.zero_stage)
 

@@ -544,3 +544,25 @@ def test_subprocess_launcher_starts_its_children_in_call_children_scripts() -> N
     assert "os.environ.copy()" in source and "Popen(" in source, (
         f"{LIGHTNING}: _SubprocessScriptLauncher._call_children_scripts no longer starts the children with a copy of"
         " os.environ: update _compat.start_children_with (the Gaudi ranks' PT_HPU_LAZY_MODE and defaults)")
+
+
+# ================================================================ Hugging Face transformers (lightning_gaudi_ds.hf)
+def test_transformers_deepspeed_config_global() -> None:
+    pytest.importorskip("transformers")
+    library = f"transformers {version('transformers')}"
+    _attr("transformers.integrations.deepspeed", "_hf_deepspeed_config_weak_ref", library,
+          "hf.zero3_loading (puts back the HfDeepSpeedConfig transformers referred to before)")
+    for name in ("HfDeepSpeedConfig", "set_hf_deepspeed_config", "unset_hf_deepspeed_config"):
+        _attr("transformers.integrations.deepspeed", name, library, "hf.zero3_loading")
+    assert _compat.hf_deepspeed_config_ref() is None
+
+
+def test_zero_init_pause() -> None:
+    import torch
+
+    for name in ("top_level_context", "shutdown_init_context", "restore_init_context"):
+        _attr("deepspeed.runtime.zero.partition_parameters", name, DEEPSPEED,
+              "hf.zero3_init_paused (whole modules inside configure_model under ZeRO-3, e.g. PEFT's adapters)")
+    # outside any zero.Init: nothing to pause (inside one: tests/test_hf.py, PEFT under ZeRO-3, needs a process group)
+    with _compat.zero_init_paused():
+        assert torch.nn.Linear(2, 2).weight.numel() == 4

@@ -3,7 +3,8 @@ fp32 file for plain PyTorch (``convert``). Nothing here knows the strategy: it p
 with rank 0's ``broadcast``.
 """
 
-from lightning_gaudi_ds.checkpoint.convert import convert_zero_checkpoint_to_fp32_state_dict
+from lightning_gaudi_ds.checkpoint.convert import convert_zero_checkpoint_to_fp32_state_dict, read_fp32_checkpoint
+from lightning_gaudi_ds.checkpoint.export import export_hf, export_safetensors
 from lightning_gaudi_ds.checkpoint.io import (
     MANIFEST,
     CheckpointError,
@@ -37,12 +38,15 @@ __all__ = [
     "NotACheckpointError",
     "commit_save",
     "convert_zero_checkpoint_to_fp32_state_dict",
+    "export_hf",
+    "export_safetensors",
     "load_checkpoint",
     "load_fp32_weights",
     "load_resharded",
     "on_rank_zero",
     "partial_path",
     "prepare_save",
+    "read_fp32_checkpoint",
     "remove_checkpoint",
     "save",
     "universal_checkpoint",

@@ -94,6 +94,12 @@ def _with_latest_tag(info: CheckpointInfo) -> Iterator[Path]:
 
 
 def _convert_stage_0(info: CheckpointInfo, output_file: Path) -> dict[str, Any]:
+    checkpoint = _stage_0_checkpoint(info)
+    torch.save(checkpoint, output_file)
+    return checkpoint
+
+
+def _stage_0_checkpoint(info: CheckpointInfo) -> dict[str, Any]:
     """Stage 0 keeps whole weights in the model-states file: cast them to fp32, keep the same keys as Lightning."""
     state = torch.load(info.tag_dir / _compat.model_states_name(0, 0), map_location="cpu", weights_only=False)
     checkpoint = {k: v for k, v in state.items() if k not in _DEEPSPEED_KEYS}
@@ -101,28 +107,64 @@ def _convert_stage_0(info: CheckpointInfo, output_file: Path) -> dict[str, Any]:
         k.removeprefix("_forward_module."): v.float() if v.is_floating_point() else v
         for k, v in state["module"].items()
     }
-    torch.save(checkpoint, output_file)
+    return checkpoint
+
+
+def read_fp32_checkpoint(checkpoint_dir: PathLike, tag: str | None = None) -> dict[str, Any]:
+    """In memory, what :func:`convert_zero_checkpoint_to_fp32_state_dict` writes: the Lightning state of ``tag``
+    with ``"state_dict"``, the module's weights merged to fp32 from a sharded checkpoint of any stage and world
+    size (by DeepSpeed's ``zero_to_fp32``, as Lightning's converter and the strategy's resharding do)."""
+    info = validate_checkpoint(checkpoint_dir, tag=tag)
+    if info.zero_stage == 0:
+        return _stage_0_checkpoint(info)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(info.path), info.tag)
+    model_states = info.tag_dir / _compat.model_states_name(info.zero_stage, 0)
+    checkpoint = {k: v for k, v in torch.load(model_states, map_location="cpu", weights_only=False).items()
+                  if k not in _DEEPSPEED_KEYS}
+    checkpoint["state_dict"] = {k.removeprefix("_forward_module."): v for k, v in state_dict.items()}
     return checkpoint
 
 
 # ------------------------------------------------------------------------------------------------ CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint_dir", help="DeepSpeed checkpoint directory (e.g. 'epoch=0-step=100.ckpt')")
-    parser.add_argument("output_file", help="single fp32 checkpoint file to write")
+    parser.add_argument("output_file", help="file to write (a directory with --to hf)")
+    parser.add_argument("--to", choices=("pt", "hf", "safetensors"), default="pt",
+                        help="pt: one fp32 Lightning checkpoint file (default); hf: a Hugging Face model directory"
+                             " for from_pretrained; safetensors: the module's fp32 state dict as one file")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one in the manifest or `latest`)")
     parser.add_argument("--overwrite", action="store_true", help="replace output_file if it exists")
+    parser.add_argument("--module", default=None,
+                        help="--to hf: the model's attribute in the LightningModule, when it holds several")
+    parser.add_argument("--max-shard-size", default="5GB", help="--to hf: largest safetensors shard (default 5GB)")
+    parser.add_argument("--merge-adapters", action="store_true",
+                        help="--to hf, a PEFT model: write the model with its adapters merged, not the adapters")
 
 
 def run(args: argparse.Namespace) -> int:
+    from lightning_gaudi_ds.checkpoint import export
+
     try:
-        checkpoint = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_file, args.tag,
-                                                                overwrite=args.overwrite)
+        if args.to == "hf":
+            folder = export.export_hf(args.checkpoint_dir, args.output_file, tag=args.tag, module=args.module,
+                                      max_shard_size=args.max_shard_size, merge_adapters=args.merge_adapters,
+                                      overwrite=args.overwrite)
+            print(f"wrote {folder}: {', '.join(sorted(p.name for p in folder.iterdir()))}")
+            return 0
+        if args.to == "safetensors":
+            state = export.export_safetensors(args.checkpoint_dir, args.output_file, tag=args.tag,
+                                              overwrite=args.overwrite)
+        else:
+            state = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_file, args.tag,
+                                                               overwrite=args.overwrite)["state_dict"]
     except CheckpointError as err:
         print(f"error: {err}")
         return 2
     except OSError as err:  # an output folder that cannot be created or written
         print(f"error: writing {args.output_file}: {err.strerror or err}")
         return 2
-    numel = sum(t.numel() for t in checkpoint["state_dict"].values())
-    print(f"wrote {args.output_file}: {len(checkpoint['state_dict'])} tensors, {numel:,} values (fp32)")
+    numel = sum(t.numel() for t in state.values())
+    print(f"wrote {args.output_file}: {len(state)} tensors, {numel:,} values (fp32)")
     return 0

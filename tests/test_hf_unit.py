@@ -1,0 +1,165 @@
+"""lightning_gaudi_ds.hf and the Hugging Face export without processes: transformers' ZeRO-3 flag set and put back,
+the export from a stage-0 checkpoint laid out as DeepSpeed writes it, bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_gaudi_ds.config import ConfigError
+
+transformers = pytest.importorskip("transformers")
+
+
+def _zero3_enabled() -> bool:
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return bool(is_deepspeed_zero3_enabled())
+
+
+def test_zero3_loading_tells_transformers_only_inside_and_puts_back_the_previous_config() -> None:
+    pytest.importorskip("accelerate")
+    from transformers.integrations import HfDeepSpeedConfig, deepspeed_config
+
+    from lightning_gaudi_ds import _compat, hf
+
+    config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1}
+    assert not _zero3_enabled()
+    with hf.zero3_loading(config):
+        assert _zero3_enabled() and deepspeed_config()["zero_optimization"]["stage"] == 3
+    assert not _zero3_enabled() and _compat.hf_deepspeed_config_ref() is None  # nothing left behind
+    with hf.zero3_loading(None):  # another stage: nothing changes
+        assert not _zero3_enabled()
+    users = HfDeepSpeedConfig({"zero_optimization": {"stage": 2}})  # the user's own, kept alive by them
+    try:
+        with hf.zero3_loading(config):
+            assert _zero3_enabled()
+        ref = _compat.hf_deepspeed_config_ref()
+        assert ref is not None and ref() is users and not _zero3_enabled()
+    finally:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+    with pytest.raises(RuntimeError, match="boom"), hf.zero3_loading(config):
+        raise RuntimeError("boom")
+    assert not _zero3_enabled()
+
+
+def test_leaf_module_classes_are_checked_before_any_process_starts() -> None:
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+
+    strategy = HPUDeepSpeedStrategy(stage=3, zero3_leaf_modules=["torch.nn.Linear", torch.nn.LayerNorm])
+    assert strategy._leaf_modules == (torch.nn.Linear, torch.nn.LayerNorm)
+    with pytest.raises(ConfigError, match=r"cannot import it .*full import path"):
+        HPUDeepSpeedStrategy(stage=3, zero3_leaf_modules=["no_such_package.Block"])
+    with pytest.raises(ConfigError, match=r"<class 'int'> is not a torch.nn.Module subclass"):
+        HPUDeepSpeedStrategy(stage=3, zero3_leaf_modules=[int])
+
+
+def test_mark_leaf_modules_names_a_class_the_model_lacks() -> None:
+    from lightning_gaudi_ds import hf
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match="the model has no LayerNorm module"):
+        hf.mark_leaf_modules(model, (torch.nn.LayerNorm,))
+    hf.mark_leaf_modules(model, (torch.nn.Linear,))
+    assert model[0]._z3_leaf is True
+
+
+# ------------------------------------------------------------------------------------------------ export
+class _Wrapper(torch.nn.Module):
+    def __init__(self, model: Any, tokenizer: Any = None) -> None:
+        super().__init__()
+        self.model = model
+        if tokenizer is not None:
+            self.tokenizer = tokenizer
+
+
+def _tiny_llama(tied: bool) -> Any:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _stage_0_checkpoint(root: Path, wrapper: torch.nn.Module, record: bool = True) -> Path:
+    from lightning_gaudi_ds import hf
+    from tests.test_checkpoint import fake_checkpoint
+
+    path = fake_checkpoint(root, stage=0, world_size=1)
+    states = path / "checkpoint" / "mp_rank_00_model_states.pt"
+    state = torch.load(states, weights_only=False)
+    state["module"] = wrapper.state_dict()
+    if record:
+        state[hf.HF_MODELS] = hf.model_info(wrapper)
+    torch.save(state, states)
+    return path
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_export_hf_loads_with_from_pretrained_and_equal_logits(tmp_path: Path, tied: bool) -> None:
+    from lightning_gaudi_ds import export_hf
+    from lightning_gaudi_ds.cli import main
+
+    model = _tiny_llama(tied)
+    ckpt = _stage_0_checkpoint(tmp_path, _Wrapper(model))
+    ids = torch.arange(10)[None]
+    out = export_hf(ckpt, tmp_path / "hf", max_shard_size="20KB")
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied
+    assert not (tmp_path / "hf.partial").exists()
+    assert main(["convert", str(ckpt), str(out), "--to", "hf"]) == 2  # exists: --overwrite
+    assert main(["convert", str(ckpt), str(out), "--to", "hf", "--overwrite"]) == 0
+    folder = tmp_path / "not_a_model"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(Exception, match="holds no Hugging Face model; --overwrite replaces only an earlier export"):
+        export_hf(ckpt, folder, overwrite=True)
+    assert (folder / "notes.txt").read_text() == "mine"
+
+
+def test_export_hf_writes_the_tokenizer_files(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from lightning_gaudi_ds import export_hf
+
+    tok = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    out = export_hf(_stage_0_checkpoint(tmp_path, _Wrapper(_tiny_llama(True), tokenizer)), tmp_path / "hf")
+    again = transformers.AutoTokenizer.from_pretrained(out)
+    assert again("a b")["input_ids"] == [1, 2]
+
+
+def test_export_safetensors_writes_tied_weights_as_copies(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from lightning_gaudi_ds import export_safetensors
+    from lightning_gaudi_ds.cli import main
+
+    wrapper = _Wrapper(_tiny_llama(True))
+    ckpt = _stage_0_checkpoint(tmp_path, wrapper)
+    out = tmp_path / "model.safetensors"
+    assert main(["convert", str(ckpt), str(out), "--to", "safetensors"]) == 0
+    loaded = load_file(out)
+    expected = wrapper.state_dict()
+    assert sorted(loaded) == sorted(expected)
+    assert all(torch.equal(loaded[k], v.float()) for k, v in expected.items())
+    with pytest.raises(Exception, match="exists; pass --overwrite"):
+        export_safetensors(ckpt, out)
+
+
+def test_export_hf_of_a_checkpoint_without_a_hugging_face_model_says_what_to_use(tmp_path: Path) -> None:
+    from lightning_gaudi_ds import CheckpointError, export_hf
+
+    ckpt = _stage_0_checkpoint(tmp_path, _Wrapper(_tiny_llama(True)), record=False)
+    with pytest.raises(CheckpointError, match=r"records no Hugging Face model.*--to safetensors"):
+        export_hf(ckpt, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
