@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         CheckpointNotFoundError,
         IncompleteCheckpointError,
         NotACheckpointError,
+        UnsafeCheckpointError,
         convert_zero_checkpoint_to_fp32_state_dict,
     )
     from lightning_gaudi_ds.config import ConfigError, ConfigNotFoundError
@@ -51,6 +52,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "LightningCLI",
     "NotACheckpointError",
+    "UnsafeCheckpointError",
     "__version__",
     "convert_zero_checkpoint_to_fp32_state_dict",
     "plan_memory",
@@ -74,6 +76,7 @@ _EXPORTS = {
     "IncompleteCheckpointError": "lightning_gaudi_ds.checkpoint",
     "LightningCLI": "lightning_gaudi_ds.lightning_cli",
     "NotACheckpointError": "lightning_gaudi_ds.checkpoint",
+    "UnsafeCheckpointError": "lightning_gaudi_ds.checkpoint",
     "convert_zero_checkpoint_to_fp32_state_dict": "lightning_gaudi_ds.checkpoint",
     "plan_memory": "lightning_gaudi_ds.planning",
 }

@@ -11,6 +11,7 @@ from lightning_gaudi_ds.checkpoint.io import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
     NotACheckpointError,
+    UnsafeCheckpointError,
     commit_save,
     on_rank_zero,
     partial_path,
@@ -18,6 +19,8 @@ from lightning_gaudi_ds.checkpoint.io import (
     remove_checkpoint,
     save,
     validate_checkpoint,
+    verify_checkpoint,
+    verify_files,
 )
 from lightning_gaudi_ds.checkpoint.reshard import (
     UNIVERSAL,
@@ -35,6 +38,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "IncompleteCheckpointError",
     "NotACheckpointError",
+    "UnsafeCheckpointError",
     "commit_save",
     "convert_zero_checkpoint_to_fp32_state_dict",
     "load_checkpoint",
@@ -47,4 +51,6 @@ __all__ = [
     "save",
     "universal_checkpoint",
     "validate_checkpoint",
+    "verify_checkpoint",
+    "verify_files",
 ]
