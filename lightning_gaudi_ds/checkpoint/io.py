@@ -106,10 +106,11 @@ def load_file(
         with deepspeed_types_allowed():
             return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
-        found = re.search(r"WeightsUnpickler error: ([^\n]*)", str(err))
-        if found is None:  # not a refusal: a damaged file, which callers report as such
+        if "Weights only load failed" not in str(err):  # not a refusal: a damaged file, which callers report as such
             raise
-        what = re.sub(r" was not an allowed global by default.*", "", found.group(1))
+        lines = [line.strip() for line in str(err).splitlines() if "nsupported" in line]  # torch's one-line reason
+        what = re.sub(r"^WeightsUnpickler error: | was not an allowed global by default.*", "",
+                      lines[0] if lines else str(err).strip().splitlines()[-1])
         raise UnsafeCheckpointError(
             f"{file} holds what torch's safe loader (weights_only=True) refuses to build ({what}): loading it could"
             f" run code from the file. If you trust where this checkpoint came from, {opt_in}."
