@@ -53,6 +53,7 @@ from lightning_gaudi_ds._compat import (
     set_deepspeed_accelerator,
     start_children_with,
     train_dataloaders,
+    weights_only_dropped_by_lightning,
 )
 from lightning_gaudi_ds.config import (
     AutoContext,
@@ -723,8 +724,10 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        if weights_only is None:  # Lightning drops the Trainer's argument when restoring after setup
+            weights_only = weights_only_dropped_by_lightning()
         if self._inference is not None:  # any ZeRO stage's shards, merged in memory, or one converted file
-            return inference.load_full_state_dict(self.broadcast(str(checkpoint_path)))
+            return inference.load_full_state_dict(self.broadcast(str(checkpoint_path)), weights_only)
         if self.load_full_weights and self.zero_stage_3:
             return super().load_checkpoint(checkpoint_path, weights_only)
         zero_stage = self.zero_stage
@@ -733,6 +736,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             checkpoint_path, self, zero_stage=zero_stage, module=self.lightning_module,
             fitting=None if trainer is None else trainer.state.fn == TrainerFn.FITTING, engine=self.deepspeed_engine,
             deepspeed_load=functools.partial(super().load_checkpoint, checkpoint_path, weights_only),
+            weights_only=weights_only,
         )
 
     @override

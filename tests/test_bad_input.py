@@ -312,7 +312,7 @@ def test_a_failed_conversion_removes_its_partial_file_and_new_folders(tmp_path: 
     ckpt = _stage_0_checkpoint(tmp_path)
     before = _files(tmp_path)
 
-    def broken(info: object, out: Path) -> None:
+    def broken(info: object, out: Path, *args: object) -> None:
         out.write_bytes(b"half")
         raise OSError("disk full")
 

@@ -329,6 +329,37 @@ def test_universal_loading_is_the_engine_config_flag() -> None:
     assert DeepSpeedEngine.load_universal_checkpoint(engine) is False
 
 
+def test_checkpoint_safe_globals_are_deepspeeds_classes() -> None:
+    names = {f"{c.__module__}.{c.__qualname__}" for c in _compat.checkpoint_safe_globals()}
+    assert names == {"deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                     "deepspeed.runtime.zero.config.ZeroStageEnum",
+                     "deepspeed.utils.tensor_fragment.fragment_address"}, (
+        f"{DEEPSPEED} moved a class its checkpoints pickle: update _compat.checkpoint_safe_globals (the names are"
+        " what torch.serialization.get_unsafe_globals_in_checkpoint lists for a shard)")
+
+
+def test_lightning_still_drops_weights_only_when_restoring_after_setup() -> None:
+    import lightning.pytorch as pl
+
+    run = inspect.signature(pl.Trainer._run)
+    assert "weights_only" in run.parameters, (
+        f"{LIGHTNING}: Trainer._run takes no weights_only: update _compat.weights_only_dropped_by_lightning")
+    source = inspect.getsource(pl.Trainer._run)
+    assert "_restore_modules_and_callbacks(ckpt_path)" in source, (
+        f"{LIGHTNING} forwards weights_only when restoring after setup: _compat.weights_only_dropped_by_lightning"
+        " (and its call in HPUDeepSpeedStrategy.load_checkpoint) can go")
+
+    class Probe:  # stands in for the Trainer: its _run's code object is what the lookup finds
+        def _run(self, model: Any, ckpt_path: Any = None, weights_only: bool | None = None) -> Any:
+            return _compat.weights_only_dropped_by_lightning()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pl.Trainer, "_run", Probe._run)
+        assert [Probe()._run(None, weights_only=v) for v in (False, True, None)] == [False, True, None]
+    assert _compat.weights_only_dropped_by_lightning() is None  # outside a Trainer run
+
+
 # ================================================================== JIT-built ops (lightning_gaudi_ds.jit_ops)
 def test_extensions_root_follows_torchs_rule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.utils.cpp_extension as cpp

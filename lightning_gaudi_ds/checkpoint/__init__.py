@@ -12,6 +12,7 @@ from lightning_gaudi_ds.checkpoint.io import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
     NotACheckpointError,
+    UnsafeCheckpointError,
     commit_save,
     on_rank_zero,
     partial_path,
@@ -19,6 +20,8 @@ from lightning_gaudi_ds.checkpoint.io import (
     remove_checkpoint,
     save,
     validate_checkpoint,
+    verify_checkpoint,
+    verify_files,
 )
 from lightning_gaudi_ds.checkpoint.reshard import (
     UNIVERSAL,
@@ -36,6 +39,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "IncompleteCheckpointError",
     "NotACheckpointError",
+    "UnsafeCheckpointError",
     "commit_save",
     "convert_zero_checkpoint_to_fp32_state_dict",
     "export_hf",
@@ -51,4 +55,6 @@ __all__ = [
     "save",
     "universal_checkpoint",
     "validate_checkpoint",
+    "verify_checkpoint",
+    "verify_files",
 ]

@@ -16,7 +16,18 @@ from lightning.pytorch.utilities.deepspeed import (
 )
 
 from lightning_gaudi_ds import _compat
-from lightning_gaudi_ds.checkpoint.io import PARTIAL, CheckpointError, CheckpointInfo, PathLike, validate_checkpoint
+from lightning_gaudi_ds.checkpoint.io import (
+    PARTIAL,
+    CheckpointError,
+    CheckpointInfo,
+    PathLike,
+    load_file,
+    validate_checkpoint,
+    verify_checkpoint,
+)
+
+TRUST_FLAG = "--trust-pickles"
+_OPT_IN = f"pass `weights_only=False` (`lightning-gaudi-ds convert {TRUST_FLAG}`)"
 
 # The DeepSpeed keys Lightning's converter drops from the Lightning state, copied from lightning 2.6.6 unchanged, so
 # that a stage-0 file (converted here) has the same keys as a stage 1-3 file (converted by Lightning).
@@ -25,7 +36,8 @@ _DEEPSPEED_KEYS = ("module", "optimizer", "lr_scheduler", "csr_tensor_module_nam
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(
-    checkpoint_dir: PathLike, output_file: PathLike, tag: str | None = None, overwrite: bool = True
+    checkpoint_dir: PathLike, output_file: PathLike, tag: str | None = None, overwrite: bool = True,
+    weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Merge a sharded ZeRO checkpoint (stage 0-3, any world size) into one fp32 Lightning checkpoint file.
 
@@ -45,8 +57,14 @@ def convert_zero_checkpoint_to_fp32_state_dict(
 
     Frozen parameters are merged when the checkpoint holds them; a checkpoint saved with
     ``exclude_frozen_parameters=True`` converts without them, as in Lightning.
+
+    ``weights_only`` (None: torch's default, True) reads every file of the checkpoint through torch's safe
+    unpickler first, which builds tensors, builtins and DeepSpeed's few checkpoint classes only, and refuses
+    anything else with an :class:`~lightning_gaudi_ds.checkpoint.UnsafeCheckpointError` before the merge reads it.
+    Pass False only for a checkpoint from a trusted source.
     """
-    info = validate_checkpoint(checkpoint_dir, tag=tag)
+    info = validate_checkpoint(checkpoint_dir, tag=tag, weights_only=weights_only, opt_in=_OPT_IN)
+    verify_checkpoint(info.path, weights_only, _OPT_IN)
     output_file = Path(output_file)
     _check_output(info.path, output_file, overwrite)
     created = [p for p in (output_file.parent, *output_file.parent.parents) if not p.exists()]
@@ -54,7 +72,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     tmp = output_file.with_name(output_file.name + PARTIAL)
     try:
         if info.zero_stage == 0:
-            checkpoint = _convert_stage_0(info, tmp)
+            checkpoint = _convert_stage_0(info, tmp, weights_only)
         else:
             with _with_latest_tag(info) as directory:
                 checkpoint = _lightning_convert(directory, tmp, info.tag)
@@ -93,15 +111,15 @@ def _with_latest_tag(info: CheckpointInfo) -> Iterator[Path]:
         yield Path(view)
 
 
-def _convert_stage_0(info: CheckpointInfo, output_file: Path) -> dict[str, Any]:
-    checkpoint = _stage_0_checkpoint(info)
+def _convert_stage_0(info: CheckpointInfo, output_file: Path, weights_only: bool | None) -> dict[str, Any]:
+    checkpoint = _stage_0_checkpoint(info, weights_only)
     torch.save(checkpoint, output_file)
     return checkpoint
 
 
-def _stage_0_checkpoint(info: CheckpointInfo) -> dict[str, Any]:
+def _stage_0_checkpoint(info: CheckpointInfo, weights_only: bool | None) -> dict[str, Any]:
     """Stage 0 keeps whole weights in the model-states file: cast them to fp32, keep the same keys as Lightning."""
-    state = torch.load(info.tag_dir / _compat.model_states_name(0, 0), map_location="cpu", weights_only=False)
+    state = load_file(info.tag_dir / _compat.model_states_name(0, 0), weights_only, _OPT_IN)
     checkpoint = {k: v for k, v in state.items() if k not in _DEEPSPEED_KEYS}
     checkpoint["state_dict"] = {
         k.removeprefix("_forward_module."): v.float() if v.is_floating_point() else v
@@ -110,19 +128,22 @@ def _stage_0_checkpoint(info: CheckpointInfo) -> dict[str, Any]:
     return checkpoint
 
 
-def read_fp32_checkpoint(checkpoint_dir: PathLike, tag: str | None = None) -> dict[str, Any]:
+def read_fp32_checkpoint(
+    checkpoint_dir: PathLike, tag: str | None = None, weights_only: bool | None = None
+) -> dict[str, Any]:
     """In memory, what :func:`convert_zero_checkpoint_to_fp32_state_dict` writes: the Lightning state of ``tag``
     with ``"state_dict"``, the module's weights merged to fp32 from a sharded checkpoint of any stage and world
-    size (by DeepSpeed's ``zero_to_fp32``, as Lightning's converter and the strategy's resharding do)."""
-    info = validate_checkpoint(checkpoint_dir, tag=tag)
+    size (by DeepSpeed's ``zero_to_fp32``, as Lightning's converter and the strategy's resharding do).
+    ``weights_only`` as for :func:`convert_zero_checkpoint_to_fp32_state_dict`."""
+    info = validate_checkpoint(checkpoint_dir, tag=tag, weights_only=weights_only, opt_in=_OPT_IN)
+    verify_checkpoint(info.path, weights_only, _OPT_IN)
     if info.zero_stage == 0:
-        return _stage_0_checkpoint(info)
+        return _stage_0_checkpoint(info, weights_only)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     state_dict = get_fp32_state_dict_from_zero_checkpoint(str(info.path), info.tag)
     model_states = info.tag_dir / _compat.model_states_name(info.zero_stage, 0)
-    checkpoint = {k: v for k, v in torch.load(model_states, map_location="cpu", weights_only=False).items()
-                  if k not in _DEEPSPEED_KEYS}
+    checkpoint = {k: v for k, v in load_file(model_states, weights_only, _OPT_IN).items() if k not in _DEEPSPEED_KEYS}
     checkpoint["state_dict"] = {k.removeprefix("_forward_module."): v for k, v in state_dict.items()}
     return checkpoint
 
@@ -141,24 +162,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-shard-size", default="5GB", help="--to hf: largest safetensors shard (default 5GB)")
     parser.add_argument("--merge-adapters", action="store_true",
                         help="--to hf, a PEFT model: write the model with its adapters merged, not the adapters")
+    parser.add_argument(TRUST_FLAG, action="store_true",
+                        help="load the checkpoint with Python's full unpickler (weights_only=False), which can run"
+                             " code stored in the files: only for checkpoints from a trusted source. Without it,"
+                             " anything but tensors and DeepSpeed's checkpoint classes is refused")
 
 
 def run(args: argparse.Namespace) -> int:
     from lightning_gaudi_ds.checkpoint import export
 
     try:
+        weights_only = not args.trust_pickles
         if args.to == "hf":
             folder = export.export_hf(args.checkpoint_dir, args.output_file, tag=args.tag, module=args.module,
                                       max_shard_size=args.max_shard_size, merge_adapters=args.merge_adapters,
-                                      overwrite=args.overwrite)
+                                      overwrite=args.overwrite, weights_only=weights_only)
             print(f"wrote {folder}: {', '.join(sorted(p.name for p in folder.iterdir()))}")
             return 0
         if args.to == "safetensors":
             state = export.export_safetensors(args.checkpoint_dir, args.output_file, tag=args.tag,
-                                              overwrite=args.overwrite)
+                                              overwrite=args.overwrite, weights_only=weights_only)
         else:
             state = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_file, args.tag,
-                                                               overwrite=args.overwrite)["state_dict"]
+                                                               overwrite=args.overwrite,
+                                                               weights_only=weights_only)["state_dict"]
     except CheckpointError as err:
         print(f"error: {err}")
         return 2

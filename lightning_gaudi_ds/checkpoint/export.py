@@ -25,7 +25,7 @@ HF_MODELS = "hugging_face_models"  # key of the Lightning checkpoint: {prefix: {
 def export_hf(
     checkpoint_dir: PathLike, output_dir: PathLike, *, tag: str | None = None, module: str | None = None,
     max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None, merge_adapters: bool = False,
-    overwrite: bool = False,
+    overwrite: bool = False, weights_only: bool | None = None,
 ) -> Path:
     """Write the Hugging Face model of a ZeRO checkpoint (any stage, any world size) as a ``from_pretrained``
     directory: ``config.json``, safetensors shards (with their index when there are several), the tokenizer's files
@@ -52,7 +52,7 @@ def export_hf(
                               " replaces only an earlier export. Pass a new or empty directory.")
     if output_dir.exists() and not output_dir.is_dir():
         raise CheckpointError(f"output {str(output_dir)!r} is a file; --to hf writes a directory.")
-    checkpoint = read_fp32_checkpoint(checkpoint_dir, tag)
+    checkpoint = read_fp32_checkpoint(checkpoint_dir, tag, weights_only)
     prefix, entry = _choose_model(checkpoint, checkpoint_dir, module)
     state = {k.removeprefix(prefix + ".") if prefix else k: v for k, v in checkpoint["state_dict"].items()
              if not prefix or k.startswith(prefix + ".")}
@@ -77,7 +77,8 @@ def export_hf(
 
 
 def export_safetensors(
-    checkpoint_dir: PathLike, output_file: PathLike, *, tag: str | None = None, overwrite: bool = False
+    checkpoint_dir: PathLike, output_file: PathLike, *, tag: str | None = None, overwrite: bool = False,
+    weights_only: bool | None = None,
 ) -> dict[str, torch.Tensor]:
     """Write the LightningModule's fp32 ``state_dict`` (the keys of ``convert``'s ``"state_dict"``) as one
     safetensors file; weights that share memory (tied) are written as separate copies. Returns the state dict."""
@@ -85,7 +86,7 @@ def export_safetensors(
 
     output_file = Path(output_file)
     _check_output(Path(checkpoint_dir), output_file, overwrite)
-    state = read_fp32_checkpoint(checkpoint_dir, tag)["state_dict"]
+    state = read_fp32_checkpoint(checkpoint_dir, tag, weights_only)["state_dict"]
     seen: set[int] = set()
     plain: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():

@@ -9,14 +9,17 @@ is reported as incomplete, by name.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
 import os
+import pickle
+import re
 import shutil
 import time
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -56,6 +59,83 @@ class IncompleteCheckpointError(CheckpointError, FileNotFoundError):
     ``FileNotFoundError`` too, as DeepSpeed's loader raises for a missing shard."""
 
 
+class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
+    """A checkpoint file holds objects that torch's safe unpickler (``weights_only=True``) refuses to build: loading it
+    could run code from the file. An ``UnpicklingError``, as ``torch.load`` raises for it."""
+
+
+# --------------------------------------------------------------------------------------- safe loading
+# How to load a trusted file anyway, for the error message: Lightning's switch, unless a caller names its own.
+TRAINER_OPT_IN = "pass `weights_only=False` to trainer.fit / validate / test / predict"
+
+
+def resolve_weights_only(weights_only: bool | None) -> bool:
+    """What ``torch.load(weights_only=weights_only)`` does: None is torch's default (True since torch 2.6), and the
+    ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` / ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` environment variables apply."""
+    def truthy(name: str) -> bool:
+        return os.environ.get(name, "0").lower() in ("1", "y", "yes", "true")
+
+    if truthy("TORCH_FORCE_WEIGHTS_ONLY_LOAD"):
+        return True
+    if weights_only is None:
+        return not truthy("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+    return weights_only
+
+
+@contextlib.contextmanager
+def deepspeed_types_allowed() -> Iterator[None]:
+    """Inside: torch's safe unpickler may also build the few classes DeepSpeed saves in its shards
+    (:func:`lightning_gaudi_ds._compat.checkpoint_safe_globals`); the allowlist is restored on exit."""
+    with torch.serialization.safe_globals(_compat.checkpoint_safe_globals()):
+        yield
+
+
+def load_file(
+    file: PathLike, weights_only: bool | None = None, opt_in: str = TRAINER_OPT_IN, *, mmap: bool = False
+) -> Any:
+    """``torch.load(file, map_location="cpu")``; with ``weights_only`` (resolved as torch does) through torch's safe
+    unpickler, which may build tensors, builtins and DeepSpeed's few checkpoint classes only.
+
+    Raises:
+        UnsafeCheckpointError: the file holds anything else; the message names the file and ``opt_in``.
+        pickle.UnpicklingError: the file is not a pickle (damaged), as torch raises it.
+    """
+    if not resolve_weights_only(weights_only):
+        return torch.load(file, map_location="cpu", weights_only=False, mmap=mmap)
+    try:
+        with deepspeed_types_allowed():
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        if "Weights only load failed" not in str(err):  # not a refusal: a damaged file, which callers report as such
+            raise
+        lines = [line.strip() for line in str(err).splitlines() if "nsupported" in line]  # torch's one-line reason
+        what = re.sub(r"^WeightsUnpickler error: | was not an allowed global by default.*", "",
+                      lines[0] if lines else str(err).strip().splitlines()[-1])
+        raise UnsafeCheckpointError(
+            f"{file} holds what torch's safe loader (weights_only=True) refuses to build ({what}): loading it could"
+            f" run code from the file. If you trust where this checkpoint came from, {opt_in}."
+        ) from err
+
+
+def verify_files(files: Iterable[PathLike], weights_only: bool | None = None, opt_in: str = TRAINER_OPT_IN) -> None:
+    """Read each file through torch's safe unpickler first (its tensors memory-mapped, not read) when
+    ``weights_only`` resolves to True; for the files a loader that cannot be told ``weights_only`` (DeepSpeed's,
+    ``zero_to_fp32``, ``ds_to_universal``) is about to read.
+
+    Raises:
+        UnsafeCheckpointError: a file holds anything but tensors, builtins and DeepSpeed's checkpoint classes.
+    """
+    if not resolve_weights_only(weights_only):
+        return
+    for file in files:
+        load_file(file, True, opt_in, mmap=zipfile.is_zipfile(file))
+
+
+def verify_checkpoint(path: PathLike, weights_only: bool | None = None, opt_in: str = TRAINER_OPT_IN) -> None:
+    """:func:`verify_files` for every ``*.pt`` file of the checkpoint directory ``path`` (its universal form too)."""
+    verify_files(sorted(Path(path).rglob("*.pt")), weights_only, opt_in)
+
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     """What a validated ZeRO checkpoint directory holds."""
@@ -87,13 +167,16 @@ def _expected_shards(tag_dir: Path, zero_stage: int, world_size: int, mp_world_s
     return names
 
 
-def _read_model_states_meta(tag_dir: Path) -> tuple[int, int, int]:
+def _read_model_states_meta(tag_dir: Path, weights_only: bool | None = None,
+                            opt_in: str = TRAINER_OPT_IN) -> tuple[int, int, int]:
     """(zero stage, data-parallel world size, model-parallel world size) from a model-states file."""
     candidates = sorted(tag_dir.glob("*model_states.pt"))
     if not candidates:
         raise FileNotFoundError(f"no *_model_states.pt file in {tag_dir}")
     try:
-        state = torch.load(candidates[0], map_location="cpu", weights_only=False, mmap=True)
+        state = load_file(candidates[0], weights_only, opt_in, mmap=True)
+    except UnsafeCheckpointError:
+        raise
     except Exception as err:  # noqa: BLE001  (torch raises several types for a cut-short file)
         raise IncompleteCheckpointError(
             f"{candidates[0]} is unreadable, probably cut short by an interrupted save ({type(err).__name__}: {err})."
@@ -134,15 +217,20 @@ def _interrupted_saves(path: Path) -> list[Path]:
 
 
 def validate_checkpoint(
-    checkpoint_dir: PathLike, tag: str | None = None, zero_stage: int | None = None
+    checkpoint_dir: PathLike, tag: str | None = None, zero_stage: int | None = None,
+    weights_only: bool | None = None, opt_in: str = TRAINER_OPT_IN,
 ) -> CheckpointInfo:
     """Check that ``checkpoint_dir`` is a complete ZeRO checkpoint (of ``zero_stage``, if given).
+
+    Without a manifest, a model-states file is read for the stage and world size, with ``weights_only`` (see
+    :func:`load_file`). The other shards are not read: :func:`verify_checkpoint` does that.
 
     Raises:
         CheckpointNotFoundError: the path does not exist.
         NotACheckpointError: a file, a folder inside a checkpoint, or a folder without one.
         CheckpointError: a checkpoint of another ZeRO stage.
         IncompleteCheckpointError: shards, the manifest or the ``latest`` file are missing or truncated.
+        UnsafeCheckpointError: the model-states file read holds what ``weights_only=True`` refuses.
     """
     path = Path(checkpoint_dir)
     if not path.exists():
@@ -178,7 +266,7 @@ def validate_checkpoint(
                 f" using this parent directory instead: {path.parent}"
             )
         if incomplete or any(path.glob("*/*model_states.pt")):
-            raise _incomplete(path, ["latest", MANIFEST, *_missing_shards(path, tag)])
+            raise _incomplete(path, ["latest", MANIFEST, *_missing_shards(path, tag, weights_only)])
         listing = sorted(p.name for p in path.iterdir())[:10]
         raise NotACheckpointError(
             f"{_NOT_VALID}: {path} is not a DeepSpeed ZeRO checkpoint: it has no `latest` file and no {MANIFEST}"
@@ -207,14 +295,14 @@ def validate_checkpoint(
                               dict(manifest["files"]), True, bool(manifest.get("weights_only", False)))
     else:
         try:
-            stage, world_size, mp_world_size = _read_model_states_meta(tag_dir)
-        except IncompleteCheckpointError:  # an unreadable model-states file: its own message
+            stage, world_size, mp_world_size = _read_model_states_meta(tag_dir, weights_only, opt_in)
+        except (IncompleteCheckpointError, UnsafeCheckpointError):  # an unreadable or refused file: its own message
             raise
         except FileNotFoundError:
             raise IncompleteCheckpointError(
                 f"Checkpoint {path} is incomplete: no *_model_states.pt file in {tag_dir}."
             ) from None
-        missing = _missing_shards(path, tag)
+        missing = _missing_shards(path, tag, weights_only)
         if missing or incomplete:
             what = f"ZeRO stage {stage}, {world_size} ranks"
             raise _incomplete(path, [*missing, *([MANIFEST] if incomplete else [])], what)
@@ -232,12 +320,12 @@ def validate_checkpoint(
     return info
 
 
-def _missing_shards(path: Path, tag: str | None) -> list[str]:
+def _missing_shards(path: Path, tag: str | None, weights_only: bool | None = None) -> list[str]:
     """The shards (``<tag>/<file>``) missing from a checkpoint without manifest, as far as they can be told."""
     tag_dirs = [path / tag] if tag else sorted(p for p in path.iterdir() if p.is_dir())
     for tag_dir in tag_dirs:
         try:
-            stage, world_size, mp_world_size = _read_model_states_meta(tag_dir)
+            stage, world_size, mp_world_size = _read_model_states_meta(tag_dir, weights_only)
         except Exception:  # noqa: BLE001  (no or a half-written model-states file: nothing more to tell)
             continue
         expected = _expected_shards(tag_dir, stage, world_size, mp_world_size)

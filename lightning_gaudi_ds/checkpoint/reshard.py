@@ -8,6 +8,7 @@ has no optimizer for the universal loader to fill.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -25,8 +26,12 @@ from lightning_gaudi_ds.checkpoint.io import (
     PathLike,
     RankZeroComm,
     _rmtree,
+    deepspeed_types_allowed,
+    load_file,
     on_rank_zero,
+    resolve_weights_only,
     validate_checkpoint,
+    verify_checkpoint,
 )
 
 if TYPE_CHECKING:
@@ -66,7 +71,8 @@ def universal_checkpoint(info: CheckpointInfo, comm: RankZeroComm) -> Path:
 
 
 def load_resharded(
-    info: CheckpointInfo, comm: ReshardComm, engine: Any, module: Module, *, fitting: bool, strict: bool = True
+    info: CheckpointInfo, comm: ReshardComm, engine: Any, module: Module, *, fitting: bool, strict: bool = True,
+    weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Load ``info``, written by another number of ranks, into ``engine``; return the client (Lightning) state.
 
@@ -77,6 +83,7 @@ def load_resharded(
         module: the module the engine wraps.
         fitting: restore the optimizer state too (needs an engine with an optimizer).
         strict: the module's ``strict_loading``.
+        weights_only: Lightning's switch, for the files read here (see :func:`load_checkpoint`).
     """
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -92,13 +99,15 @@ def load_resharded(
                 load_module_strict=strict,
             )
     else:
-        client_state = load_fp32_weights(info, comm, module, strict)
+        client_state = load_fp32_weights(info, comm, module, strict, weights_only)
     if client_state is None:
         raise CheckpointError(f"DeepSpeed could not load the resharded checkpoint {info.path}.")
     return client_state
 
 
-def load_fp32_weights(info: CheckpointInfo, comm: RankZeroComm, module: Module, strict: bool = True) -> dict[str, Any]:
+def load_fp32_weights(
+    info: CheckpointInfo, comm: RankZeroComm, module: Module, strict: bool = True, weights_only: bool | None = None
+) -> dict[str, Any]:
     """Weights of ``info`` merged to fp32 and copied into the (possibly ZeRO-3 partitioned) module, from any number
     of ranks; returns the client (Lightning) state. Needs no optimizer: what an evaluation engine can load."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -114,12 +123,12 @@ def load_fp32_weights(info: CheckpointInfo, comm: RankZeroComm, module: Module, 
         with torch.no_grad():
             module.load_state_dict(state_dict, strict=strict)
     model_file = sorted(info.tag_dir.glob("*model_states.pt"))[0]
-    return torch.load(model_file, map_location="cpu", weights_only=False)
+    return dict(load_file(model_file, weights_only))
 
 
 def load_checkpoint(
     path: PathLike, comm: ReshardComm, *, zero_stage: int, module: LightningModule | None, fitting: bool | None,
-    engine: Any, deepspeed_load: Callable[[], dict[str, Any]],
+    engine: Any, deepspeed_load: Callable[[], dict[str, Any]], weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Validate the ZeRO checkpoint at ``path`` against the running ``zero_stage``, then load it the way the run
     allows; returns the client (Lightning) state.
@@ -134,13 +143,22 @@ def load_checkpoint(
         module: the LightningModule, if any.
         fitting: whether the attached Trainer fits; None when no Trainer is attached.
         engine: the DeepSpeed engine built for this run.
+        weights_only: Lightning's switch (``trainer.fit(..., weights_only=...)``); None is torch's default (True).
+            When it resolves to True, every ``*.pt`` file of the checkpoint is first read through torch's safe
+            unpickler (DeepSpeed's own readers and ``zero_to_fp32`` cannot be told ``weights_only``), and a file
+            holding anything but tensors, builtins and DeepSpeed's few checkpoint classes is refused with an
+            :class:`~lightning_gaudi_ds.checkpoint.UnsafeCheckpointError` before anything else reads it.
     """
-    info = validate_checkpoint(path, zero_stage=zero_stage)
-    if zero_stage == 3 and module is not None and fitting is False:
-        return load_fp32_weights(info, comm, module, strict=module.strict_loading)
-    if info.world_size == comm.world_size or info.zero_stage == 0:
-        return deepspeed_load()
-    assert module is not None
-    if fitting is None:  # no Trainer attached: Lightning's own error
-        fitting = module.trainer.state.fn == "fit"
-    return load_resharded(info, comm, engine, module, fitting=fitting, strict=module.strict_loading)
+    info = validate_checkpoint(path, zero_stage=zero_stage, weights_only=weights_only)
+    verify_checkpoint(info.path, weights_only)
+    # DeepSpeed's readers pass weights_only=False, which TORCH_FORCE_WEIGHTS_ONLY_LOAD=1 overrides: allow its types
+    with deepspeed_types_allowed() if resolve_weights_only(weights_only) else contextlib.nullcontext():
+        if zero_stage == 3 and module is not None and fitting is False:
+            return load_fp32_weights(info, comm, module, strict=module.strict_loading, weights_only=weights_only)
+        if info.world_size == comm.world_size or info.zero_stage == 0:
+            return deepspeed_load()
+        assert module is not None
+        if fitting is None:  # no Trainer attached: Lightning's own error
+            fitting = module.trainer.state.fn == "fit"
+        return load_resharded(info, comm, engine, module, fitting=fitting, strict=module.strict_loading,
+                              weights_only=weights_only)

@@ -33,6 +33,7 @@ from lightning_gaudi_ds._compat import (
     tensor_parallel_config_keys,
     tensor_parallel_layer_class,
 )
+from lightning_gaudi_ds.checkpoint import io as ckpt_io
 
 #: Keyword arguments of ``HPUDeepSpeedStrategy`` (and keys of its config dict) that select DeepSpeed's inference
 #: engine, as lightning-habana named them.
@@ -577,26 +578,29 @@ def _model_states_file(path: Path) -> tuple[Path, str]:
     return states[0], tag
 
 
-def checkpoint_hparams(path: str | os.PathLike[str]) -> dict[str, Any]:
+def checkpoint_hparams(path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
     """The LightningModule's saved hyperparameters (``save_hyperparameters``) of a sharded or single-file checkpoint,
-    without reading any optimizer shard."""
+    without reading any optimizer shard; ``weights_only`` as in ``torch.load`` (None: torch's default, True)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"ckpt_path={str(path)!r}: no such checkpoint file or directory.")
     file = _model_states_file(path)[0] if path.is_dir() else path
-    return dict(torch.load(file, map_location="cpu", weights_only=False).get("hyper_parameters") or {})
+    opt_in = "pass `weights_only=False` to checkpoint_hparams"
+    return dict(ckpt_io.load_file(file, weights_only, opt_in).get("hyper_parameters") or {})
 
 
-def load_full_state_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
+def load_full_state_dict(path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
     """The full (unsharded, fp32) state dict of a checkpoint, as a Lightning checkpoint dict.
 
     ``path`` is a sharded DeepSpeed checkpoint directory written by this strategy (any ZeRO stage; the shards are
     merged in memory with DeepSpeed's ``zero_to_fp32``), or one file (``lightning-gaudi-ds convert``'s fp32 export,
-    or a plain Lightning checkpoint).
+    or a plain Lightning checkpoint). ``weights_only``: Lightning's switch (None: torch's default, True); when it
+    resolves to True every file is read through torch's safe unpickler first (see
+    :func:`lightning_gaudi_ds.checkpoint.verify_files`).
     """
     path = Path(path)
     if path.is_file():
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint = ckpt_io.load_file(path, weights_only)
         if "state_dict" not in checkpoint:  # a bare state dict
             checkpoint = {"state_dict": checkpoint}
         return checkpoint
@@ -604,7 +608,8 @@ def load_full_state_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise FileNotFoundError(f"ckpt_path={str(path)!r}: no such checkpoint file or directory.")
     states_file, tag = _model_states_file(path)
     shards = states_file.parent
-    client = torch.load(states_file, map_location="cpu", weights_only=False)
+    ckpt_io.verify_files(sorted(shards.glob("*.pt")), weights_only)  # what zero_to_fp32 reads, unaware of the switch
+    client = ckpt_io.load_file(states_file, weights_only)
     if any(shards.glob("*optim_states.pt")) and client.get("ds_config", {}).get("zero_optimization", {}).get(
         "stage", 0
     ) > 0:

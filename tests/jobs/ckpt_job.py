@@ -6,6 +6,10 @@ same global batch on any number of ranks, so runs on 1 and 2 ranks see the same 
 
 ``validate: true`` runs ``trainer.validate(ckpt_path=...)`` instead of a fit (the loaded weights, not resumed).
 
+``predict: true`` runs ``trainer.predict(ckpt_path=...)`` with ``tensor_parallel={"tp_size": <devices>}`` (serving).
+``load_weights_only`` is passed as ``weights_only=`` to that fit, validate or predict. ``expect_error: true`` records
+the exception (type and message) instead of raising it, and the job goes on with the next entry.
+
 ``kill_at_save: N`` SIGKILLs rank ``kill_rank`` during its N-th checkpoint save of that fit, after the
 model-state file and before its ZeRO optimizer shard is written: a deterministic half-written checkpoint.
 
@@ -121,12 +125,20 @@ DEFAULTS: dict[str, Any] = {
     "stage": 2, "precision": "32-true", "max_steps": 8, "epoch_steps": 4, "ckpt_path": None, "every": 4,
     "save_top_k": -1, "save_last": True, "weights_only": False, "kill_at_save": 0, "kill_rank": 1,
     "validate": False,  # trainer.validate(ckpt_path=...) instead of fit
+    "predict": False,  # trainer.predict(ckpt_path=...) with tensor-parallel serving instead of fit
+    "load_weights_only": None, "expect_error": False,
 }
 
 
 def fit(spec: dict[str, Any], devices: int, pg_timeout: float) -> dict[str, Any]:
     """One Trainer.fit as described by ``spec`` (keys of DEFAULTS plus ``name`` and ``dir``)."""
     spec = {**DEFAULTS, **spec}
+    if spec["expect_error"]:
+        try:
+            return {"returned": fit({**spec, "expect_error": False}, devices, pg_timeout)}
+        except Exception as err:  # noqa: BLE001  (the test reads what was raised)
+            return {"error": type(err).__name__, "bases": [c.__name__ for c in type(err).__mro__],
+                    "message": str(err)}
     L.seed_everything(42, workers=True)
     model = CkptModel()
     data = make_data(n=spec["epoch_steps"] * BATCH * 2)  # `epoch_steps` steps of the same global batch
@@ -137,7 +149,8 @@ def fit(spec: dict[str, Any], devices: int, pg_timeout: float) -> dict[str, Any]
         save_weights_only=spec["weights_only"],
     )
     recorder = Recorder(spec["kill_at_save"], spec["kill_rank"])
-    strategy = HPUDeepSpeedStrategy(stage=spec["stage"], timeout=timedelta(seconds=pg_timeout))
+    serving = {"tensor_parallel": {"tp_size": devices}} if spec["predict"] else {"stage": spec["stage"]}
+    strategy = HPUDeepSpeedStrategy(**serving, timeout=timedelta(seconds=pg_timeout))
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, precision=spec["precision"],
         max_steps=spec["max_steps"], limit_val_batches=2 if spec["validate"] else 0, num_sanity_val_steps=0,
@@ -146,11 +159,15 @@ def fit(spec: dict[str, Any], devices: int, pg_timeout: float) -> dict[str, Any]
     )
     per_rank_batch = BATCH * 2 // devices  # the same global batch on 1 and 2 ranks
     started = time.monotonic()
+    load = {"ckpt_path": spec["ckpt_path"], "weights_only": spec["load_weights_only"]}
+    if spec["predict"]:
+        predictions = trainer.predict(model, DataLoader(data, batch_size=per_rank_batch), **load)
+        return {"predictions": len(predictions), "seconds": time.monotonic() - started}
     if spec["validate"]:
         loader = DataLoader(data, batch_size=per_rank_batch)
-        metrics = trainer.validate(model, loader, ckpt_path=spec["ckpt_path"], verbose=False)[0]
+        metrics = trainer.validate(model, loader, verbose=False, **load)[0]
         return {"val_loss": metrics["val_loss"], **recorder.info, "seconds": time.monotonic() - started}
-    trainer.fit(model, DataLoader(data, batch_size=per_rank_batch, shuffle=False), ckpt_path=spec["ckpt_path"])
+    trainer.fit(model, DataLoader(data, batch_size=per_rank_batch, shuffle=False), **load)
     return {
         "records": {str(k): v for k, v in sorted(model.records.items())},
         "global_step": trainer.global_step, "epoch": trainer.current_epoch, **recorder.info,
