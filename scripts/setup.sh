@@ -27,10 +27,14 @@ fi
 . "$VENV/bin/activate"
 # pip's own failures stop the script (pipefail); only this machine's harmless index-location warnings are hidden.
 pipq() { python -m pip install -q "$@" 2>&1 | { grep -v '^WARNING: Location' || true; }; }
-pipq --upgrade pip
-# Pin torch here only (a CPU build); the package's own range stays loose for Habana's and CUDA torch.
-pipq "torch==2.13.0"
-pipq -e ".[test,examples]" ${DS_PIN:+"deepspeed==$DS_PIN"}  # examples: train.sh's CLI and its loss curve
+# Everything comes from a hash-locked file (pip --require-hashes), made by `bash scripts/lock.sh` from pyproject.toml's
+# requirements with the test, examples and dev extras, plus requirements/pins.in (torch's CPU build, pinned here
+# only: the package's own range stays loose for Habana's and CUDA torch). A lock older than those requirements stops
+# the set-up. Then the package itself, editable, without resolving anything again.
+LOCK=requirements/lock${DS_PIN:+-deepspeed-$DS_PIN}.txt
+python requirements/lockcheck.py "$LOCK"
+pipq --require-hashes -r "$LOCK"
+pipq --no-deps --no-build-isolation -e .
 # DeepSpeed's C++ ops that it would otherwise JIT-compile on first use (the CPU shm comm op, cpu_adam for
 # ZeRO-Offload), built now so a first training run starts as fast as later ones; a no-op once built.
 # Without a compiler training still works (plain torch.distributed collectives). Skip: LIGHTNING_GAUDI_DS_SKIP_OP_BUILD=1

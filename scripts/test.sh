@@ -16,7 +16,7 @@ fi
 . scripts/setup.sh
 if [ "${1:-}" = "--lint" ]; then
   shift
-  pipq -e ".[dev]"
+  # ruff and mypy (the dev extra) come with the lock
   ruff check lightning_gaudi_ds
   mypy  # files and strictness: [tool.mypy] in pyproject.toml
 fi
