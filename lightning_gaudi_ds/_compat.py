@@ -60,6 +60,7 @@ __all__ = [
     "is_unimplemented_builder",
     "give_bf16_optimizer_zero_grad",
     "zero3_backward_requires_training_mode",
+    "zero3_param_coordinator",
     "mark_step_wrapped_for_lr_scheduler",
     "precision_config_models",
     "model_states_meta",
@@ -349,7 +350,7 @@ def reset_zero3_trace_at_outer_forward_only(engine: Any) -> bool:
         nonlocal depth
         depth += 1
         if depth == 1:
-            offload.get_param_coordinator().reset_step()
+            zero3_param_coordinator(offload).reset_step()
 
     @torch.compiler.disable
     def leave(module: Any, args: Any, output: Any) -> None:
@@ -360,6 +361,14 @@ def reset_zero3_trace_at_outer_forward_only(engine: Any) -> bool:
     offload.fwd_pre_hook = offload.module.register_forward_pre_hook(enter, prepend=True)
     offload.forward_hooks.append(offload.module.register_forward_hook(leave, always_call=True))
     return True
+
+
+def zero3_param_coordinator(offload: Any, training: bool = True) -> Any:
+    """ZeRO-3's parameter coordinator of a ``DeepSpeedZeRoOffload``: upstream has one
+    (``get_param_coordinator()``), Habana's fork one per mode (``get_param_coordinator(training)``)."""
+    if "training" in inspect.signature(offload.get_param_coordinator).parameters:
+        return offload.get_param_coordinator(training=training)
+    return offload.get_param_coordinator()
 
 
 def _function_names(function: Any) -> set[str]:

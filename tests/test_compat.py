@@ -597,3 +597,16 @@ def test_zero_init_pause() -> None:
     # outside any zero.Init: nothing to pause (inside one: tests/test_hf.py, PEFT under ZeRO-3, needs a process group)
     with _compat.zero_init_paused():
         assert torch.nn.Linear(2, 2).weight.numel() == 4
+
+
+def test_zero3_param_coordinator_per_deepspeed() -> None:
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    from lightning_gaudi_ds._compat import zero3_param_coordinator
+
+    params = inspect.signature(DeepSpeedZeRoOffload.get_param_coordinator).parameters
+    assert set(params) <= {"self", "training"}, f"{DEEPSPEED} changed DeepSpeedZeRoOffload.get_param_coordinator"
+    upstream = SimpleNamespace(get_param_coordinator=lambda: "the coordinator")
+    fork = SimpleNamespace(get_param_coordinator=lambda training: f"training={training}")
+    assert zero3_param_coordinator(upstream) == "the coordinator"
+    assert zero3_param_coordinator(fork) == "training=True" and zero3_param_coordinator(fork, False) == "training=False"

@@ -172,7 +172,9 @@ class EngineProbe(L.Callback):
         self.step_lrs.append(float(engine.optimizer.param_groups[0]["lr"]))
         offload = getattr(engine.optimizer, "parameter_offload", None)
         if offload is not None:
-            coordinator = offload.get_param_coordinator()
+            from lightning_gaudi_ds._compat import zero3_param_coordinator
+
+            coordinator = zero3_param_coordinator(offload)  # the fork keeps one per mode
             self.zero3_trace.append("complete" if coordinator.is_complete_trace() else
                                     "invalid" if coordinator.is_invalid_trace() else "record")
         if "optimizer_state_numel_after_step" in pl_module.probe:
