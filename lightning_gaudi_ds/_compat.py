@@ -349,8 +349,8 @@ def reset_zero3_trace_at_outer_forward_only(engine: Any) -> bool:
     def enter(module: Any, args: Any) -> None:
         nonlocal depth
         depth += 1
-        if depth == 1:
-            zero3_param_coordinator(offload).reset_step()
+        if depth == 1:  # upstream's one coordinator (the fork, with one per mode, returned above)
+            offload.get_param_coordinator().reset_step()
 
     @torch.compiler.disable
     def leave(module: Any, args: Any, output: Any) -> None:
