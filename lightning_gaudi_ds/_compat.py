@@ -32,6 +32,7 @@ __all__ = [
     "DEEPSPEED_LAUNCHER_ENV",
     "DEEPSPEED_NODE_RANK_ENV",
     "DEEPSPEED_STRATEGY_ATTRIBUTES",
+    "LIGHTNING_CONVERTER_DROPPED_KEYS",
     "OVERRIDDEN_DEEPSPEED_STRATEGY_HOOKS",
     "SHM_SEGMENT_PREFIX",
     "_PATH",
@@ -415,6 +416,13 @@ def model_states_name(zero_stage: int, dp_rank: int, mp_rank: int = 0) -> str:
 def optim_states_name(dp_rank: int, mp_rank: int = 0, bf16: bool = False) -> str:
     """File name of one ZeRO optimizer shard (DeepSpeedEngine._get_rank_zero_ckpt_name; ``bf16_`` under bf16)."""
     return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+# The DeepSpeed keys of a model-states file that Lightning's converter
+# (lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict) drops from the Lightning state,
+# copied from it (a local list there): tests/test_compat.py reads them from its source.
+LIGHTNING_CONVERTER_DROPPED_KEYS = ("module", "optimizer", "lr_scheduler", "csr_tensor_module_names", "skipped_steps",
+                                    "global_steps", "dp_world_size", "mp_world_size")
 
 
 def model_states_meta(state: dict[str, Any]) -> tuple[int, int, int]:

@@ -22,7 +22,6 @@ import torch
 
 from lightning_gaudi_ds import checkpoint as ckpt
 from lightning_gaudi_ds import convert_zero_checkpoint_to_fp32_state_dict
-from lightning_gaudi_ds.checkpoint import convert as ckpt_convert
 from lightning_gaudi_ds.checkpoint import io as ckpt_io
 from tests.procs import JOBS, run_job
 
@@ -223,16 +222,36 @@ def test_stage_0_converts_to_fp32_without_deepspeed_state(tmp_path):
     assert sorted(p.name for p in out.parent.iterdir()) == ["model.pt"]  # written aside, then renamed
 
 
-def test_a_tag_other_than_latest_is_presented_as_latest(tmp_path):
-    path = fake_checkpoint(tmp_path)
-    other = path / "older"
-    other.mkdir()
-    info = ckpt.CheckpointInfo(path, "older", 2, 2)
-    with ckpt_convert._with_latest_tag(info) as view:
-        assert (view / "latest").read_text() == "older" and (view / "older").resolve() == other.resolve()
-    assert not view.exists()
-    with ckpt_convert._with_latest_tag(ckpt.CheckpointInfo(path, "checkpoint", 2, 2)) as view:
-        assert view == path
+class _RankZero:
+    is_global_zero = True
+
+
+def test_inference_resharding_and_convert_read_the_same_full_weights(tmp_path):
+    """The three readers of full weights (serving, resharding for evaluation, convert) return one dict: the Lightning
+    state as Lightning's converter keeps it, and the weights in fp32."""
+    from lightning_gaudi_ds.checkpoint import reshard
+    from lightning_gaudi_ds.engine import inference
+
+    path = fake_checkpoint(tmp_path, stage=0, world_size=1)
+    model_states = path / "checkpoint" / "mp_rank_00_model_states.pt"
+    state = torch.load(model_states, weights_only=False)
+    state.update(module={"_forward_module.w": torch.ones(2, dtype=torch.bfloat16)}, global_step=7, ds_version="0.19.8",
+                 buffer_names=[], param_shapes=None, hyper_parameters={"lr": 0.1}, loops={"fit_loop": {}})
+    torch.save(state, model_states)
+    served = inference.load_full_state_dict(path)
+    converted = ckpt.read_fp32_checkpoint(path)
+    written = torch.load(convert_zero_checkpoint_to_fp32_state_dict(path, tmp_path / "m.pt") and tmp_path / "m.pt")
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(torch.zeros(2))
+    resharded = reshard.load_fp32_weights(ckpt.validate_checkpoint(path), _RankZero(), module)
+    assert module.w.tolist() == [1.0, 1.0]
+    for other in (converted, written, resharded):
+        assert other.keys() == served.keys() and other["state_dict"].keys() == served["state_dict"].keys()
+        assert all(torch.equal(other["state_dict"][k], v) for k, v in served["state_dict"].items())
+        assert {k: v for k, v in other.items() if k != "state_dict"} == {
+            k: v for k, v in served.items() if k != "state_dict"}
+    assert served["state_dict"]["w"].dtype == torch.float32 and served["global_step"] == 7
+    assert "module" not in served and served["ds_version"] == "0.19.8"  # Lightning's converter keeps ds_version
 
 
 def test_cli_convert_reports_bad_input(tmp_path, capsys):

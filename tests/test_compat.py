@@ -610,3 +610,22 @@ def test_zero3_param_coordinator_per_deepspeed() -> None:
     fork = SimpleNamespace(get_param_coordinator=lambda training: f"training={training}")
     assert zero3_param_coordinator(upstream) == "the coordinator"
     assert zero3_param_coordinator(fork) == "training=True" and zero3_param_coordinator(fork, False) == "training=False"
+
+
+def test_lightning_converter_drops_the_keys_the_reader_drops() -> None:
+    """checkpoint.read_full_checkpoint keeps the Lightning state as Lightning's converter does: the list of DeepSpeed
+    keys it drops is a local in Lightning's function, read here from its source."""
+    import ast
+    import inspect
+
+    from lightning.pytorch.utilities import deepspeed as lightning_deepspeed
+
+    from lightning_gaudi_ds._compat import LIGHTNING_CONVERTER_DROPPED_KEYS
+
+    tree = ast.parse(inspect.getsource(lightning_deepspeed.convert_zero_checkpoint_to_fp32_state_dict))
+    lists = [ast.literal_eval(node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+             and any(isinstance(t, ast.Name) and t.id == "deepspeed_states" for t in node.targets)]
+    assert lists, f"{LIGHTNING}'s converter no longer has a `deepspeed_states` list: check which keys it drops now"
+    assert tuple(lists[0]) == LIGHTNING_CONVERTER_DROPPED_KEYS, (
+        f"{LIGHTNING}'s converter drops {lists[0]}: set _compat.LIGHTNING_CONVERTER_DROPPED_KEYS to it"
+    )

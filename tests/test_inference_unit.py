@@ -221,7 +221,7 @@ def test_checkpoint_file_and_missing_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such checkpoint"):
         inf.load_full_state_dict(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(MisconfigurationException, match="without DeepSpeed model states"):
+    with pytest.raises(MisconfigurationException, match="is not a DeepSpeed ZeRO checkpoint"):
         inf.load_full_state_dict(tmp_path / "empty")
 
 
@@ -362,3 +362,27 @@ def test_shm_op_is_loaded_for_one_tensor_parallel_group_only():
     assert inf.shm_comm_mode(two, 4, None) == "off"  # its kernel would sum over all four ranks
     with pytest.warns(UserWarning, match="ignores the tensor-parallel group"):
         assert inf.shm_comm_mode(two, 4, "on") == "off"
+
+
+# ------------------------------------------------------------------- damaged checkpoints (issue 22, bug 1)
+def test_serving_refuses_an_unfinished_save_as_training_does(tmp_path):
+    from lightning_gaudi_ds.checkpoint import IncompleteCheckpointError
+    from tests.test_checkpoint import fake_checkpoint
+
+    partial = fake_checkpoint(tmp_path, stage=0, world_size=1, name="last.ckpt.partial")  # no manifest
+    for load in (inf.load_full_state_dict, inf.checkpoint_hparams):
+        with pytest.raises(IncompleteCheckpointError, match=r"missing: .*lightning_gaudi_ds_manifest.json.*unfinished"
+                           r" save of last\.ckpt"):
+            load(partial)
+
+
+def test_serving_names_a_truncated_shard(tmp_path):
+    from lightning_gaudi_ds.checkpoint import IncompleteCheckpointError
+    from tests.test_checkpoint import fake_checkpoint
+
+    path = fake_checkpoint(tmp_path, stage=2, world_size=1)
+    shard = path / "checkpoint" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(IncompleteCheckpointError, match=r"checkpoint/zero_pp_rank_0_mp_rank_00_optim_states\.pt"
+                       r" \(truncated\)"):
+        inf.load_full_state_dict(path)

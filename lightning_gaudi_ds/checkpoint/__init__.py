@@ -1,6 +1,6 @@
-"""Sharded ZeRO checkpoints: validation and crash-safe saves (``io``), world-size changes (``reshard``), and one
-fp32 file for plain PyTorch (``convert``). Nothing here knows the strategy: it passes plain values and an object
-with rank 0's ``broadcast``.
+"""Sharded ZeRO checkpoints: validation and crash-safe saves (``io``), their full weights in memory (``read``),
+world-size changes (``reshard``), and one fp32 file for plain PyTorch (``convert``). Nothing here knows the
+strategy: it passes plain values and an object with rank 0's ``broadcast``.
 """
 
 from lightning_gaudi_ds.checkpoint.convert import convert_zero_checkpoint_to_fp32_state_dict, read_fp32_checkpoint
@@ -23,6 +23,7 @@ from lightning_gaudi_ds.checkpoint.io import (
     verify_checkpoint,
     verify_files,
 )
+from lightning_gaudi_ds.checkpoint.read import read_full_checkpoint
 from lightning_gaudi_ds.checkpoint.reshard import (
     UNIVERSAL,
     load_checkpoint,
@@ -51,6 +52,7 @@ __all__ = [
     "partial_path",
     "prepare_save",
     "read_fp32_checkpoint",
+    "read_full_checkpoint",
     "remove_checkpoint",
     "save",
     "universal_checkpoint",

@@ -5,34 +5,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.deepspeed import (
-    convert_zero_checkpoint_to_fp32_state_dict as _lightning_convert,
-)
 
-from lightning_gaudi_ds import _compat
 from lightning_gaudi_ds.checkpoint.io import (
     PARTIAL,
     CheckpointError,
-    CheckpointInfo,
     PathLike,
-    load_file,
     validate_checkpoint,
     verify_checkpoint,
 )
+from lightning_gaudi_ds.checkpoint.read import read_full_checkpoint
 
 TRUST_FLAG = "--trust-pickles"
 _OPT_IN = f"pass `weights_only=False` (`lightning-gaudi-ds convert {TRUST_FLAG}`)"
-
-# The DeepSpeed keys Lightning's converter drops from the Lightning state, copied from lightning 2.6.6 unchanged, so
-# that a stage-0 file (converted here) has the same keys as a stage 1-3 file (converted by Lightning).
-_DEEPSPEED_KEYS = ("module", "optimizer", "lr_scheduler", "csr_tensor_module_names", "skipped_steps", "global_steps",
-                   "dp_world_size", "mp_world_size")
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(
@@ -45,8 +33,10 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     ``model.load_state_dict(torch.load(output_file)["state_dict"], strict=True)``. It keeps the Lightning
     state (epoch, global step, hyper-parameters, loops, callbacks) but no optimizer state.
 
-    Lightning's function of the same name (2.6.6) does the merge, after the checkpoint is validated here (a
-    missing, partial or foreign directory gets an error that says what to pass instead). Around it, this one:
+    The file holds what Lightning's function of the same name (2.6.6) writes (DeepSpeed's ``zero_to_fp32`` merges
+    the weights; the Lightning state keeps the keys Lightning's keeps), read by
+    :func:`~lightning_gaudi_ds.checkpoint.read.read_full_checkpoint` after the checkpoint is validated (a missing,
+    partial or foreign directory gets an error that says what to pass instead). Unlike Lightning's, this one:
 
     * converts stage 0 too (Lightning's reads the ZeRO optimizer shards, which stage 0 does not write);
     * reads the Lightning state from ``tag`` (Lightning's always reads the ``latest`` tag's);
@@ -71,11 +61,8 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     output_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = output_file.with_name(output_file.name + PARTIAL)
     try:
-        if info.zero_stage == 0:
-            checkpoint = _convert_stage_0(info, tmp, weights_only)
-        else:
-            with _with_latest_tag(info) as directory:
-                checkpoint = _lightning_convert(directory, tmp, info.tag)
+        checkpoint = read_full_checkpoint(info.path, info.tag, weights_only, _OPT_IN, info=info)
+        torch.save(checkpoint, tmp)
         os.replace(tmp, output_file)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -98,54 +85,12 @@ def _check_output(checkpoint: Path, output_file: Path, overwrite: bool) -> None:
         raise CheckpointError(f"output {str(output_file)!r} exists; pass --overwrite to replace it, or another name.")
 
 
-@contextlib.contextmanager
-def _with_latest_tag(info: CheckpointInfo) -> Iterator[Path]:
-    """``info.path``, or where its ``latest`` names another tag, a temporary view of it in which it is ``info.tag``."""
-    latest = info.path / "latest"
-    if latest.is_file() and latest.read_text().strip() == info.tag:
-        yield info.path
-        return
-    with tempfile.TemporaryDirectory(prefix="lightning_gaudi_ds-convert-") as view:
-        (Path(view) / "latest").write_text(info.tag)
-        (Path(view) / info.tag).symlink_to(info.tag_dir.resolve(), target_is_directory=True)
-        yield Path(view)
-
-
-def _convert_stage_0(info: CheckpointInfo, output_file: Path, weights_only: bool | None) -> dict[str, Any]:
-    checkpoint = _stage_0_checkpoint(info, weights_only)
-    torch.save(checkpoint, output_file)
-    return checkpoint
-
-
-def _stage_0_checkpoint(info: CheckpointInfo, weights_only: bool | None) -> dict[str, Any]:
-    """Stage 0 keeps whole weights in the model-states file: cast them to fp32, keep the same keys as Lightning."""
-    state = load_file(info.tag_dir / _compat.model_states_name(0, 0), weights_only, _OPT_IN)
-    checkpoint = {k: v for k, v in state.items() if k not in _DEEPSPEED_KEYS}
-    checkpoint["state_dict"] = {
-        k.removeprefix("_forward_module."): v.float() if v.is_floating_point() else v
-        for k, v in state["module"].items()
-    }
-    return checkpoint
-
-
 def read_fp32_checkpoint(
     checkpoint_dir: PathLike, tag: str | None = None, weights_only: bool | None = None
 ) -> dict[str, Any]:
-    """In memory, what :func:`convert_zero_checkpoint_to_fp32_state_dict` writes: the Lightning state of ``tag``
-    with ``"state_dict"``, the module's weights merged to fp32 from a sharded checkpoint of any stage and world
-    size (by DeepSpeed's ``zero_to_fp32``, as Lightning's converter and the strategy's resharding do).
-    ``weights_only`` as for :func:`convert_zero_checkpoint_to_fp32_state_dict`."""
-    info = validate_checkpoint(checkpoint_dir, tag=tag, weights_only=weights_only, opt_in=_OPT_IN)
-    verify_checkpoint(info.path, weights_only, _OPT_IN)
-    if info.zero_stage == 0:
-        return _stage_0_checkpoint(info, weights_only)
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(info.path), info.tag)
-    model_states = info.tag_dir / _compat.model_states_name(info.zero_stage, 0)
-    checkpoint = {k: v for k, v in load_file(model_states, weights_only, _OPT_IN).items() if k not in _DEEPSPEED_KEYS}
-    checkpoint["state_dict"] = {k.removeprefix("_forward_module."): v for k, v in state_dict.items()}
-    return checkpoint
+    """In memory, what :func:`convert_zero_checkpoint_to_fp32_state_dict` writes
+    (:func:`~lightning_gaudi_ds.checkpoint.read.read_full_checkpoint`, with the CLI's opt-in in its errors)."""
+    return read_full_checkpoint(checkpoint_dir, tag, weights_only, _OPT_IN)
 
 
 # ------------------------------------------------------------------------------------------------ CLI

@@ -27,12 +27,12 @@ from lightning_gaudi_ds.checkpoint.io import (
     RankZeroComm,
     _rmtree,
     deepspeed_types_allowed,
-    load_file,
     on_rank_zero,
     resolve_weights_only,
     validate_checkpoint,
     verify_checkpoint,
 )
+from lightning_gaudi_ds.checkpoint.read import read_full_checkpoint
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
@@ -109,10 +109,11 @@ def load_fp32_weights(
     info: CheckpointInfo, comm: RankZeroComm, module: Module, strict: bool = True, weights_only: bool | None = None
 ) -> dict[str, Any]:
     """Weights of ``info`` merged to fp32 and copied into the (possibly ZeRO-3 partitioned) module, from any number
-    of ranks; returns the client (Lightning) state. Needs no optimizer: what an evaluation engine can load."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(info.path), info.tag)
+    of ranks; returns the checkpoint :func:`~lightning_gaudi_ds.checkpoint.read.read_full_checkpoint` reads. Needs
+    no optimizer: what an evaluation engine can load. ``info`` was validated and verified by the caller
+    (:func:`load_checkpoint`)."""
+    checkpoint = read_full_checkpoint(info.path, info.tag, weights_only, info=info)
+    state_dict = checkpoint["state_dict"]
     if info.zero_stage == 3:  # the module's parameters are partitions: gather, load on rank 0, re-partition
         import deepspeed
 
@@ -122,8 +123,7 @@ def load_fp32_weights(
     else:
         with torch.no_grad():
             module.load_state_dict(state_dict, strict=strict)
-    model_file = sorted(info.tag_dir.glob("*model_states.pt"))[0]
-    return dict(load_file(model_file, weights_only))
+    return checkpoint
 
 
 def load_checkpoint(

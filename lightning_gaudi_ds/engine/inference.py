@@ -28,12 +28,14 @@ from torch.nn import Module
 from lightning_gaudi_ds._compat import (
     autotp_parse,
     lm_head_allreduce,
+    model_states_name,
     remove_module_hooks,
     reset_zero3_trace_at_outer_forward_only,
     tensor_parallel_config_keys,
     tensor_parallel_layer_class,
 )
 from lightning_gaudi_ds.checkpoint import io as ckpt_io
+from lightning_gaudi_ds.checkpoint.read import read_full_checkpoint
 
 #: Keyword arguments of ``HPUDeepSpeedStrategy`` (and keys of its config dict) that select DeepSpeed's inference
 #: engine, as lightning-habana named them.
@@ -567,36 +569,28 @@ def parameter_numel(module: Module) -> int:
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
-def _model_states_file(path: Path) -> tuple[Path, str]:
-    tag = (path / "latest").read_text().strip() if (path / "latest").is_file() else "checkpoint"
-    states = sorted((path / tag).glob("*model_states.pt"))
-    if not states:
-        raise MisconfigurationException(
-            f"ckpt_path={str(path)!r} is a directory without DeepSpeed model states ({path / tag}/*model_states.pt):"
-            " pass a checkpoint saved by HPUDeepSpeedStrategy, or one file converted with `lightning-gaudi-ds convert`."
-        )
-    return states[0], tag
-
-
 def checkpoint_hparams(path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
     """The LightningModule's saved hyperparameters (``save_hyperparameters``) of a sharded or single-file checkpoint,
-    without reading any optimizer shard; ``weights_only`` as in ``torch.load`` (None: torch's default, True)."""
+    without reading any optimizer shard; ``weights_only`` as in ``torch.load`` (None: torch's default, True). A sharded
+    checkpoint is validated first, as training does (an unfinished or truncated save is refused by name)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"ckpt_path={str(path)!r}: no such checkpoint file or directory.")
-    file = _model_states_file(path)[0] if path.is_dir() else path
     opt_in = "pass `weights_only=False` to checkpoint_hparams"
-    return dict(ckpt_io.load_file(file, weights_only, opt_in).get("hyper_parameters") or {})
+    if path.is_dir():
+        info = ckpt_io.validate_checkpoint(path, weights_only=weights_only, opt_in=opt_in)
+        path = info.tag_dir / model_states_name(info.zero_stage, 0)
+    return dict(ckpt_io.load_file(path, weights_only, opt_in).get("hyper_parameters") or {})
 
 
 def load_full_state_dict(path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
     """The full (unsharded, fp32) state dict of a checkpoint, as a Lightning checkpoint dict.
 
-    ``path`` is a sharded DeepSpeed checkpoint directory written by this strategy (any ZeRO stage; the shards are
-    merged in memory with DeepSpeed's ``zero_to_fp32``), or one file (``lightning-gaudi-ds convert``'s fp32 export,
-    or a plain Lightning checkpoint). ``weights_only``: Lightning's switch (None: torch's default, True); when it
-    resolves to True every file is read through torch's safe unpickler first (see
-    :func:`lightning_gaudi_ds.checkpoint.verify_files`).
+    ``path`` is a sharded DeepSpeed checkpoint directory written by this strategy (any ZeRO stage and world size;
+    validated and merged in memory by :func:`lightning_gaudi_ds.checkpoint.read.read_full_checkpoint`), or one file
+    (``lightning-gaudi-ds convert``'s fp32 export, or a plain Lightning checkpoint). ``weights_only``: Lightning's
+    switch (None: torch's default, True); when it resolves to True every file is read through torch's safe
+    unpickler first (see :func:`lightning_gaudi_ds.checkpoint.verify_files`).
     """
     path = Path(path)
     if path.is_file():
@@ -606,22 +600,4 @@ def load_full_state_dict(path: str | os.PathLike[str], weights_only: bool | None
         return checkpoint
     if not path.is_dir():
         raise FileNotFoundError(f"ckpt_path={str(path)!r}: no such checkpoint file or directory.")
-    states_file, tag = _model_states_file(path)
-    shards = states_file.parent
-    ckpt_io.verify_files(sorted(shards.glob("*.pt")), weights_only)  # what zero_to_fp32 reads, unaware of the switch
-    client = ckpt_io.load_file(states_file, weights_only)
-    if any(shards.glob("*optim_states.pt")) and client.get("ds_config", {}).get("zero_optimization", {}).get(
-        "stage", 0
-    ) > 0:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
-    else:  # ZeRO stage 0 (or weights only): the module's full weights are in the model states
-        state = client["module"]
-    state = {k.removeprefix("_forward_module."): v for k, v in state.items()}
-    drop = ("module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "lr_scheduler",
-            "sparse_tensor_module_names", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size",
-            "ds_config", "ds_version", "shared_params", "frozen_param_fragments")
-    checkpoint = {k: v for k, v in client.items() if k not in drop}
-    checkpoint["state_dict"] = state
-    return checkpoint
+    return read_full_checkpoint(path, weights_only=weights_only)
