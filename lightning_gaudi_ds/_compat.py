@@ -45,6 +45,7 @@ __all__ = [
     "attached_trainer",
     "created_deepspeed_accelerator",
     "autotp_parse",
+    "autotp_policy_names",
     "lm_head_allreduce",
     "tensor_parallel_config_keys",
     "tensor_parallel_layer_class",
@@ -576,6 +577,24 @@ def autotp_parse(model: Any) -> Any:
     from deepspeed.module_inject.auto_tp import AutoTP
 
     return AutoTP.tp_parser(model)
+
+
+def autotp_policy_names(module: Any, names: tuple[str, ...]) -> tuple[str, ...]:
+    """``names`` (of an ``injection_policy``: linear layers of ``module``, each its path in ``module`` or a dotted
+    suffix of it) plus the names DeepSpeed's AutoTP gives the layers they select.
+
+    AutoTP (``AutoTP._replace_module``) names a linear layer ``<parent's name>.<its name>`` and a direct child of
+    the policy's class ``.<its name>``, and tests the policy's tuple for that exact string: ``"fc2"`` alone would
+    never match the ``fc2`` of the class that owns it.
+    """
+    import torch
+
+    found = []
+    for path, layer in module.named_modules():
+        if isinstance(layer, torch.nn.Linear) and any(path == n or path.endswith("." + n) for n in names):
+            parts = path.split(".")
+            found.append("." + path if len(parts) == 1 else ".".join(parts[-2:]))
+    return tuple(dict.fromkeys((*names, *found)))
 
 
 def tensor_parallel_layer_class() -> type | tuple[type, ...]:

@@ -629,3 +629,27 @@ def test_lightning_converter_drops_the_keys_the_reader_drops() -> None:
     assert tuple(lists[0]) == LIGHTNING_CONVERTER_DROPPED_KEYS, (
         f"{LIGHTNING}'s converter drops {lists[0]}: set _compat.LIGHTNING_CONVERTER_DROPPED_KEYS to it"
     )
+
+
+def test_autotp_names_a_policy_layer_by_its_parent_and_its_own_name() -> None:
+    """_compat.autotp_policy_names gives the names AutoTP tests an injection policy against: ``prev_name + '.' +
+    name`` in AutoTP._replace_module (a direct child of the policy's class: "." + its name)."""
+    import inspect
+
+    import torch
+    from deepspeed.module_inject.auto_tp import AutoTP
+
+    from lightning_gaudi_ds._compat import autotp_policy_names
+
+    source = inspect.getsource(AutoTP._replace_module)
+    assert "self.linear_policies[child.__class__](child, prev_name + '.' + name" in source, (
+        f"{DEEPSPEED} names the linear layers it matches against an injection policy differently: update"
+        " _compat.autotp_policy_names")
+    assert "self._replace_module(child, name, class_name)" in source
+    block = torch.nn.Module()
+    block.fc2 = torch.nn.Linear(2, 2)
+    block.attn = torch.nn.Module()
+    block.attn.proj = torch.nn.Linear(2, 2)
+    block.attn.inner = torch.nn.Module()
+    block.attn.inner.out = torch.nn.Linear(2, 2)
+    assert autotp_policy_names(block, ("fc2", "attn.proj", "out")) == ("fc2", "attn.proj", "out", ".fc2", "inner.out")

@@ -27,6 +27,7 @@ from torch.nn import Module
 
 from lightning_gaudi_ds._compat import (
     autotp_parse,
+    autotp_policy_names,
     lm_head_allreduce,
     model_states_name,
     remove_module_hooks,
@@ -434,7 +435,10 @@ def init_engine(
         "enable_cuda_graph": settings.enable_cuda_graph and device_type == "cuda",
     }
     if settings.injection_policy and tp_size > 1:
-        config["injection_policy"] = dict(settings.injection_policy)
+        config["injection_policy"] = {
+            cls: autotp_policy_names(next(m for m in model.modules() if type(m) is cls), names)
+            for cls, names in settings.injection_policy.items()
+        }
     # AutoTP sizes each rank's share by whole key/value heads read from ``model.config`` (a Hugging Face config);
     # without one it cuts in blocks of tp_grain_size elements, which can split a head. A LightningModule holding a
     # transformers model has no ``config`` of its own: lend it the inner model's while DeepSpeed splits.

@@ -2,6 +2,8 @@
 
 ``--model llama``: a Hugging Face Llama built from a small config (random init, nothing downloaded), split by
 DeepSpeed's AutoTP. ``--model gpt``: the example GPT (examples/train_lm.py) with an ``injection_policy``.
+``--model mlp``: a LightningModule holding one two-layer MLP, split with an ``injection_policy`` keyed by the MLP class
+that owns the layers (``--policy owner``, the README's form) or by the LightningModule (``--policy module``).
 ``--from-zero3``: first trains the GPT for a few steps with ZeRO-3 and saves its sharded checkpoint, then serves
 that checkpoint with ``ckpt_path=``.
 
@@ -60,18 +62,21 @@ class Served(L.LightningModule):
     def on_predict_start(self) -> None:
         self.local_params = parameter_numel(self)
 
+    def target(self, y: torch.Tensor) -> torch.Tensor:
+        return y
+
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self.seen.extend(batch[2].tolist())
         return self.logits(batch[0])
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y, _ = batch
-        loss = F.cross_entropy(self.logits(x).flatten(0, 1), y.flatten())
+        loss = F.cross_entropy(self.logits(x).flatten(0, 1), self.target(y).flatten())
         self.log("val_loss", loss, sync_dist=True)
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
         x, y, _ = batch
-        self.log("test_loss", F.cross_entropy(self.logits(x).flatten(0, 1), y.flatten()), sync_dist=True)
+        self.log("test_loss", F.cross_entropy(self.logits(x).flatten(0, 1), self.target(y).flatten()), sync_dist=True)
 
     def predict_dataloader(self) -> DataLoader:
         return DataLoader(_data(), batch_size=4)
@@ -104,11 +109,37 @@ class ServedGPT(Served, lm.LitGPT):
         return self(x)
 
 
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(64, 512)
+        self.fc2 = torch.nn.Linear(512, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class ServedMLP(Served):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mlp = MLP()
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(F.one_hot(x % 64, 64).float())
+
+    def target(self, y: torch.Tensor) -> torch.Tensor:
+        return y % 64
+
+
+MODELS = {"llama": ServedLlama, "gpt": ServedGPT, "mlp": ServedMLP}
+
+
 def _reference(model: Served) -> tuple[torch.Tensor, float]:
     data = _data()
     with torch.no_grad():
         logits = torch.cat([model.logits(x) for x, _, _ in DataLoader(data, batch_size=4)])
-        loss = F.cross_entropy(logits.flatten(0, 1), data.tensors[1].flatten())
+        loss = F.cross_entropy(logits.flatten(0, 1), model.target(data.tensors[1]).flatten())
     return logits, float(loss)
 
 
@@ -130,7 +161,8 @@ def _train_zero3(root: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=("llama", "gpt"), required=True)
+    parser.add_argument("--model", choices=tuple(MODELS), required=True)
+    parser.add_argument("--policy", choices=("owner", "module"), default="owner", help="--model mlp: the policy's key")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--from-zero3", action="store_true")
     parser.add_argument("--devices", type=int, default=2)
@@ -141,9 +173,11 @@ def main() -> None:
     policy = None
     if args.model == "gpt":
         policy = {lm.Block: ("attn.proj", "mlp.2")}
+    elif args.model == "mlp":
+        policy = {MLP: ("fc2",)} if args.policy == "owner" else {ServedMLP: ("mlp.fc2",)}
     if args.from_zero3:
         ckpt = _train_zero3(args.out)
-    model = ServedLlama() if args.model == "llama" else ServedGPT()
+    model = MODELS[args.model]()
     random_logits, _ = _reference(model)
     stage = None
     if ckpt is not None:  # the reference: Lightning's fp32 export of the sharded checkpoint, loaded in one process
@@ -155,7 +189,7 @@ def main() -> None:
     ref_logits, ref_loss = _reference(model)
     total = parameter_numel(model)
 
-    served = ServedLlama() if args.model == "llama" else ServedGPT()  # a fresh instance: weights from ckpt_path
+    served = MODELS[args.model]()  # a fresh instance: weights from ckpt_path
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, precision="32-true", logger=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=args.out,
