@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import find_shared_parameters, set_shared_param
 from torch.nn import Module
 
 from lightning_gaudi_ds import hpu
+from lightning_gaudi_ds.errors import ConfigError
 from lightning_gaudi_ds.hpu import habana_frameworks_installed, hpu_available
 
 log = logging.getLogger(__name__)
@@ -116,18 +117,19 @@ def device_spec(device: torch.device | str) -> DeviceSpec:
 
 
 def validate_precision(precision: str, device: torch.device | str) -> None:
-    """Fail loudly when ``precision`` cannot run on ``device``."""
+    """Fail loudly when ``precision`` cannot run on ``device`` (a :class:`~lightning_gaudi_ds.errors.ConfigError`,
+    which is a ``ValueError``)."""
     spec = device_spec(device)
     if precision not in spec.precisions:
         hint = " fp16 has no fast path on CPU; use precision='bf16-mixed'." if precision.startswith("16") else ""
-        raise ValueError(
+        raise ConfigError(
             f"`Trainer(precision={precision!r})` is not supported by HPUDeepSpeedStrategy on {spec.device_type!r}."
             f" Supported on {spec.device_type}: {', '.join(spec.precisions)}.{hint}"
         )
     # First-generation Gaudi has no float16: without this check deepspeed.initialize fails deep inside.
     if spec.device_type == "hpu" and precision.startswith("16") and habana_frameworks_installed():
         if not hpu.fp16_supported():
-            raise ValueError(
+            raise ConfigError(
                 f"`Trainer(precision={precision!r})`: this Gaudi ({hpu.device_name()}, first generation) does not"
                 " compute in float16. Use precision='bf16-mixed' (or 'bf16-true'); float16 needs Gaudi2 or later."
             )

@@ -312,11 +312,11 @@ def test_a_failed_conversion_removes_its_partial_file_and_new_folders(tmp_path: 
     ckpt = _stage_0_checkpoint(tmp_path)
     before = _files(tmp_path)
 
-    def broken(info: object, out: Path, *args: object) -> None:
-        out.write_bytes(b"half")
+    def broken(obj: object, out: Path, *args: object) -> None:
+        Path(out).write_bytes(b"half")
         raise OSError("disk full")
 
-    monkeypatch.setattr(convert, "_convert_stage_0", broken)
+    monkeypatch.setattr(convert.torch, "save", broken)
     with pytest.raises(OSError, match="disk full"):
         convert.convert_zero_checkpoint_to_fp32_state_dict(ckpt, tmp_path / "new" / "dir" / "model.pt")
     assert _files(tmp_path) == before

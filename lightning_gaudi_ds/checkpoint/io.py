@@ -25,9 +25,15 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import torch
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_gaudi_ds import _compat
+from lightning_gaudi_ds.errors import (  # noqa: F401  (importable from here too)
+    CheckpointError,
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+    NotACheckpointError,
+    UnsafeCheckpointError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,30 +44,6 @@ REPLACED = ".replaced"  # the previous checkpoint of the same name, while the ne
 DELETING = ".deleting"  # a checkpoint being removed (top-k rotation)
 _FORMAT = 1
 T = TypeVar("T")
-
-
-class CheckpointError(MisconfigurationException, ValueError):
-    """The path is not a usable DeepSpeed ZeRO checkpoint; the message says why and what to do. A
-    ``MisconfigurationException``, as Lightning raises when DeepSpeed cannot load a checkpoint, and a ``ValueError``."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """The checkpoint path does not exist (Lightning: ``FileNotFoundError``)."""
-
-
-class NotACheckpointError(CheckpointError, FileNotFoundError):
-    """The path is a file, a folder inside a checkpoint or any other folder (Lightning: ``FileNotFoundError``, "not a
-    valid DeepSpeed checkpoint")."""
-
-
-class IncompleteCheckpointError(CheckpointError, FileNotFoundError):
-    """The checkpoint was not completely written (a save was interrupted); the message names what is missing. A
-    ``FileNotFoundError`` too, as DeepSpeed's loader raises for a missing shard."""
-
-
-class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
-    """A checkpoint file holds objects that torch's safe unpickler (``weights_only=True``) refuses to build: loading it
-    could run code from the file. An ``UnpicklingError``, as ``torch.load`` raises for it."""
 
 
 # --------------------------------------------------------------------------------------- safe loading
@@ -177,7 +159,7 @@ def _read_model_states_meta(tag_dir: Path, weights_only: bool | None = None,
         state = load_file(candidates[0], weights_only, opt_in, mmap=True)
     except UnsafeCheckpointError:
         raise
-    except Exception as err:  # noqa: BLE001  (torch raises several types for a cut-short file)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, ValueError) as err:  # torch's for a cut-short file
         raise IncompleteCheckpointError(
             f"{candidates[0]} is unreadable, probably cut short by an interrupted save ({type(err).__name__}: {err})."
             " Resume from another checkpoint."
@@ -326,7 +308,8 @@ def _missing_shards(path: Path, tag: str | None, weights_only: bool | None = Non
     for tag_dir in tag_dirs:
         try:
             stage, world_size, mp_world_size = _read_model_states_meta(tag_dir, weights_only)
-        except Exception:  # noqa: BLE001  (no or a half-written model-states file: nothing more to tell)
+        except (CheckpointError, FileNotFoundError, AttributeError, TypeError, ValueError):
+            # no, a half-written or a foreign model-states file: nothing more to tell
             continue
         expected = _expected_shards(tag_dir, stage, world_size, mp_world_size)
         return [f"{tag_dir.name}/{n}" for n in expected if not (tag_dir / n).is_file()]

@@ -6,8 +6,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lightning.fabric.utilities.exceptions import MisconfigurationException
-
 from lightning_gaudi_ds.config.keys import AUTO, STRATEGY_ARG_KEYS, report
 from lightning_gaudi_ds.config.keys import get as get_key
 from lightning_gaudi_ds.config.load import ConfigError, check_nvme, config_problems
@@ -41,7 +39,7 @@ def check_trainer_flags(
 ) -> None:
     """Trainer settings DeepSpeed cannot honour. ``serving``: the strategy was given inference-engine arguments."""
     if serving and fitting:
-        raise MisconfigurationException(
+        raise ConfigError(
             "HPUDeepSpeedStrategy(tensor_parallel=..., dtype=..., ...) serves a model with DeepSpeed's inference"
             " engine: trainer.predict, trainer.validate and trainer.test. Train with a strategy without these"
             " arguments (e.g. HPUDeepSpeedStrategy(stage=3)), then serve its checkpoint with `ckpt_path=`."

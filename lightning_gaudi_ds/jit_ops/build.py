@@ -61,7 +61,9 @@ def installed_ops() -> dict[str, bool]:
         from deepspeed.git_version_info import installed_ops as ops
 
         return dict(ops)
-    except Exception:  # an odd DeepSpeed build must not break start-up
+    except ImportError as err:  # a DeepSpeed built without git_version_info: no op was installed with it
+        if err.name != "deepspeed.git_version_info":  # a broken DeepSpeed install: its own error, not JIT builds
+            raise
         return {}
 
 

@@ -28,12 +28,9 @@ from filelock import FileLock
 
 from lightning_gaudi_ds import _compat
 from lightning_gaudi_ds._environ import scoped_environ
+from lightning_gaudi_ds.errors import BuildLockError
 
 FIX_COMMAND = "lightning-gaudi-ds env --clear-stale-locks"
-
-
-class BuildLockError(RuntimeError):
-    """A torch extension build lock that cannot be judged safe to wait on or to clear."""
 
 
 # ------------------------------------------------------------------------------------------ paths

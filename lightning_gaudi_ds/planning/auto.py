@@ -169,11 +169,11 @@ def decide(
 
 def adopt(decision: tuple[str, Any], config: MutableMapping[str, Any]) -> dict[str, Any]:
     """Write rank 0's :func:`decide` into ``config`` and return the choice; its error is raised on every rank."""
-    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+    from lightning_gaudi_ds.errors import ConfigError
 
     kind, value = decision
     if kind == "error":
-        raise MisconfigurationException(f"HPUDeepSpeedStrategy(stage='auto'): {value}")
+        raise ConfigError(f"HPUDeepSpeedStrategy(stage='auto'): {value}")
     assert isinstance(value, dict)
     apply_choice(config, value)
     return value
@@ -184,13 +184,11 @@ def from_strategy_arguments(
     offload_parameters: bool,
 ) -> AutoStage | None:
     """The strategy's ``stage="auto"`` arguments (None for a fixed stage); refuses those that contradict it."""
-    from lightning.pytorch.utilities.exceptions import MisconfigurationException
-
-    from lightning_gaudi_ds.config import ConfigError
+    from lightning_gaudi_ds.errors import ConfigError
 
     if stage == AUTO:
         if offload_optimizer or offload_parameters:
-            raise MisconfigurationException(
+            raise ConfigError(
                 "`HPUDeepSpeedStrategy(stage='auto')` chooses offload itself; drop"
                 f" offload_optimizer={offload_optimizer}/offload_parameters={offload_parameters}, or pass a"
                 " stage instead of 'auto'."
@@ -206,20 +204,20 @@ def from_strategy_arguments(
 
 def mark_pending(config: MutableMapping[str, Any], user_config: bool, source: str | None) -> None:
     """Set the config's stage to ``"auto"`` until setup chooses; refuses a user config that sets stage or offload."""
-    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+    from lightning_gaudi_ds.errors import ConfigError
 
     problem = config_contradiction(config if user_config else None, source)
     if problem:
-        raise MisconfigurationException(problem)
+        raise ConfigError(problem)
     config.setdefault("zero_optimization", {})["stage"] = AUTO
 
 
 def check_device(auto: AutoStage, device_type: str) -> None:
     """Refuses, before any process starts, a device whose memory cannot be read (CPU) when none was given."""
-    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+    from lightning_gaudi_ds.errors import ConfigError
 
     if auto.device_memory is None and device_type == "cpu":
-        raise MisconfigurationException(
+        raise ConfigError(
             "`HPUDeepSpeedStrategy(stage='auto')` on CPU needs the memory to plan for: pass device_memory"
             " (e.g. device_memory='24GiB'; on HPU and CUDA it is read from the device)."
         )
