@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 
 from lightning_gaudi_ds import _compat
+from lightning_gaudi_ds._classes import import_class
 from lightning_gaudi_ds.checkpoint import export
 from lightning_gaudi_ds.config import ConfigError
 
@@ -130,7 +131,7 @@ def leaf_module_classes(value: Sequence[type[Module] | str] | None) -> tuple[typ
         value = [value]
     classes = []
     for item in value:
-        cls = _import_class(item) if isinstance(item, str) else item
+        cls = import_class(item, f"zero3_leaf_modules=[{item!r}]") if isinstance(item, str) else item
         if not (isinstance(cls, type) and issubclass(cls, Module)):
             raise ConfigError(
                 f"HPUDeepSpeedStrategy(zero3_leaf_modules=...): {item!r} is not a torch.nn.Module subclass. Give"
@@ -152,14 +153,3 @@ def mark_leaf_modules(model: Module, classes: tuple[type[Module], ...]) -> None:
             " classes the model built in configure_model uses, e.g. its mixture-of-experts block."
         )
     set_z3_leaf_modules(model, list(classes))
-
-
-def _import_class(path: str) -> Any:
-    module_name, _, name = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ConfigError(
-            f"HPUDeepSpeedStrategy(zero3_leaf_modules=[{path!r}]): cannot import it ({err}). Give the module class"
-            " itself or its full import path (package.module.Class)."
-        ) from err

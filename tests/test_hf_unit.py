@@ -53,7 +53,7 @@ def test_leaf_module_classes_are_checked_before_any_process_starts() -> None:
 
     strategy = HPUDeepSpeedStrategy(stage=3, zero3_leaf_modules=["torch.nn.Linear", torch.nn.LayerNorm])
     assert strategy._leaf_modules == (torch.nn.Linear, torch.nn.LayerNorm)
-    with pytest.raises(ConfigError, match=r"cannot import it .*full import path"):
+    with pytest.raises(ConfigError, match=r"cannot import .*full import path"):
         HPUDeepSpeedStrategy(stage=3, zero3_leaf_modules=["no_such_package.Block"])
     with pytest.raises(ConfigError, match=r"<class 'int'> is not a torch.nn.Module subclass"):
         HPUDeepSpeedStrategy(stage=3, zero3_leaf_modules=[int])

@@ -56,7 +56,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     info = validate_checkpoint(checkpoint_dir, tag=tag, weights_only=weights_only, opt_in=_OPT_IN)
     verify_checkpoint(info.path, weights_only, _OPT_IN)
     output_file = Path(output_file)
-    _check_output(info.path, output_file, overwrite)
+    check_output(info.path, output_file, overwrite, "model.pt")
     created = [p for p in (output_file.parent, *output_file.parent.parents) if not p.exists()]
     output_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = output_file.with_name(output_file.name + PARTIAL)
@@ -73,16 +73,18 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     return checkpoint
 
 
-def _check_output(checkpoint: Path, output_file: Path, overwrite: bool) -> None:
-    out, ckpt = output_file.resolve(), checkpoint.resolve()
+def check_output(checkpoint: Path, output: Path, overwrite: bool, file_example: str | None = None) -> None:
+    """Refuse an output inside the checkpoint, or one that exists unless ``overwrite``; with ``file_example`` (a file
+    name such as ``"model.pt"``) the output is a file, and a directory is refused too."""
+    out, ckpt = output.resolve(), checkpoint.resolve()
     if out == ckpt or ckpt in out.parents:
-        raise CheckpointError(f"output {str(output_file)!r} is inside the checkpoint {str(checkpoint)!r}; write the"
-                              " fp32 file elsewhere, e.g. 'model.pt'.")
-    if output_file.is_dir():
-        raise CheckpointError(f"output {str(output_file)!r} is a directory; pass a file name, e.g."
-                              f" {str(output_file / 'model.pt')!r}.")
-    if output_file.exists() and not overwrite:
-        raise CheckpointError(f"output {str(output_file)!r} exists; pass --overwrite to replace it, or another name.")
+        where = f"the fp32 file elsewhere, e.g. {file_example!r}" if file_example else "it elsewhere"
+        raise CheckpointError(f"output {str(output)!r} is inside the checkpoint {str(checkpoint)!r}; write {where}.")
+    if file_example and output.is_dir():
+        raise CheckpointError(f"output {str(output)!r} is a directory; pass a file name, e.g."
+                              f" {str(output / file_example)!r}.")
+    if output.exists() and not overwrite:
+        raise CheckpointError(f"output {str(output)!r} exists; pass --overwrite to replace it, or another name.")
 
 
 def read_fp32_checkpoint(

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lightning_gaudi_ds.checkpoint.convert import read_fp32_checkpoint
+from lightning_gaudi_ds.checkpoint.convert import check_output, read_fp32_checkpoint
 from lightning_gaudi_ds.checkpoint.io import PARTIAL, CheckpointError, PathLike
 
 HF_MODELS = "hugging_face_models"  # key of the Lightning checkpoint: {prefix: {"class", "config", "tokenizer"}}
@@ -44,7 +44,7 @@ def export_hf(
     Returns the directory. Tied weights (``lm_head`` and the embeddings) are written once, as transformers does.
     """
     output_dir = Path(output_dir)
-    _check_output(Path(checkpoint_dir), output_dir, overwrite)
+    check_output(Path(checkpoint_dir), output_dir, overwrite)
     if output_dir.is_dir() and any(output_dir.iterdir()) and not any(
         (output_dir / name).is_file() for name in ("config.json", "adapter_config.json")
     ):  # --overwrite replaces a model directory, never an arbitrary folder
@@ -85,7 +85,7 @@ def export_safetensors(
     from safetensors.torch import save_file
 
     output_file = Path(output_file)
-    _check_output(Path(checkpoint_dir), output_file, overwrite)
+    check_output(Path(checkpoint_dir), output_file, overwrite)
     state = read_fp32_checkpoint(checkpoint_dir, tag, weights_only)["state_dict"]
     seen: set[int] = set()
     plain: dict[str, torch.Tensor] = {}
@@ -102,15 +102,6 @@ def export_safetensors(
         tmp.unlink(missing_ok=True)
         raise
     return plain
-
-
-def _check_output(checkpoint: Path, output: Path, overwrite: bool) -> None:
-    out, ckpt = output.resolve(), checkpoint.resolve()
-    if out == ckpt or ckpt in out.parents:
-        raise CheckpointError(f"output {str(output)!r} is inside the checkpoint {str(checkpoint)!r}; write it"
-                              " elsewhere.")
-    if output.exists() and not overwrite:
-        raise CheckpointError(f"output {str(output)!r} exists; pass --overwrite to replace it, or another name.")
 
 
 def _choose_model(checkpoint: dict[str, Any], path: PathLike, module: str | None) -> tuple[str, dict[str, Any]]:

@@ -8,23 +8,23 @@ same outputs, so the ranks of a group must see the same batches; with tp_size be
 (consecutive ranks) are data-parallel replicas.
 
 Everything here works on plain values (settings, a module, a world size, a precision string); the strategy gathers
-them and calls in. Errors are Lightning's ``MisconfigurationException`` and name the argument to change.
+them and calls in. Errors are :class:`~lightning_gaudi_ds.errors.ConfigError` (Lightning's
+``MisconfigurationException``) and name the argument to change.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.nn import Module
 
+from lightning_gaudi_ds._classes import import_class
 from lightning_gaudi_ds._compat import (
     autotp_parse,
     autotp_policy_names,
@@ -37,6 +37,7 @@ from lightning_gaudi_ds._compat import (
 )
 from lightning_gaudi_ds.checkpoint import io as ckpt_io
 from lightning_gaudi_ds.checkpoint.read import read_full_checkpoint
+from lightning_gaudi_ds.errors import ConfigError
 
 #: Keyword arguments of ``HPUDeepSpeedStrategy`` (and keys of its config dict) that select DeepSpeed's inference
 #: engine, as lightning-habana named them.
@@ -102,7 +103,7 @@ def settings_from(args: Mapping[str, Any], config_part: Mapping[str, Any]) -> In
         if key in given and key in config_part and not _same_setting(key, given[key], config_part[key])
     ]
     if clashes:
-        raise MisconfigurationException(
+        raise ConfigError(
             "HPUDeepSpeedStrategy: the inference settings contradict the DeepSpeed config:\n  "
             + "\n  ".join(clashes) + "\nSet each in one place (argument or config), or give both the same value."
         )
@@ -114,14 +115,14 @@ def settings_from(args: Mapping[str, Any], config_part: Mapping[str, Any]) -> In
     policy = parse_injection_policy(merged.get("injection_policy"))
     kernel_inject = _flag(merged, "replace_with_kernel_inject")
     if policy and kernel_inject:
-        raise MisconfigurationException(
+        raise ConfigError(
             "HPUDeepSpeedStrategy: `injection_policy` and `replace_with_kernel_inject=True` exclude each other"
             " (DeepSpeed either splits your modules with the policy or swaps in its own fused kernels)."
             " Drop one of them."
         )
     replace_method = merged.get("replace_method")
     if replace_method not in (None, "auto"):
-        raise MisconfigurationException(
+        raise ConfigError(
             f"HPUDeepSpeedStrategy(replace_method={replace_method!r}): DeepSpeed only knows 'auto' (and no longer"
             " needs it). Remove the argument."
         )
@@ -144,7 +145,7 @@ def _same_setting(key: str, a: Any, b: Any) -> bool:
             return parse_injection_policy(a) == parse_injection_policy(b)
         if key == "tensor_parallel":
             return _tensor_parallel(a) == _tensor_parallel(b)
-    except MisconfigurationException:
+    except ConfigError:
         return False
     return bool(a == b)
 
@@ -154,7 +155,7 @@ def _flag(settings: Mapping[str, Any], key: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise MisconfigurationException(f"HPUDeepSpeedStrategy({key}={value!r}): expected True or False.")
+        raise ConfigError(f"HPUDeepSpeedStrategy({key}={value!r}): expected True or False.")
     return value
 
 
@@ -162,7 +163,7 @@ def _tensor_parallel(value: Any) -> dict[str, Any]:
     if value is None:
         return {"tp_size": 1}
     if not isinstance(value, Mapping):
-        raise MisconfigurationException(
+        raise ConfigError(
             f"HPUDeepSpeedStrategy(tensor_parallel={value!r}): expected a dict such as {{'tp_size': 2}}."
         )
     allowed = [k for k in tensor_parallel_config_keys() if k not in _TP_BUILT]
@@ -170,14 +171,14 @@ def _tensor_parallel(value: Any) -> dict[str, Any]:
     if unknown:
         from lightning_gaudi_ds._compat import deepspeed_version
 
-        raise MisconfigurationException(
+        raise ConfigError(
             f"HPUDeepSpeedStrategy(tensor_parallel={dict(value)!r}): unknown key(s) {unknown}; DeepSpeed"
             f" {deepspeed_version()} allows: {', '.join(allowed)}. The tensor-parallel groups are built by the"
             " strategy (consecutive ranks)."
         )
     size = value.get("tp_size", 1)
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise MisconfigurationException(
+        raise ConfigError(
             f"HPUDeepSpeedStrategy(tensor_parallel={{'tp_size': {size!r}}}): tp_size must be a positive integer"
             " (the number of ranks each model is split across)."
         )
@@ -195,7 +196,7 @@ def parse_dtype(value: Any, where: str = "dtype") -> torch.dtype:
     else:
         dtype = None
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise MisconfigurationException(
+        raise ConfigError(
             f"HPUDeepSpeedStrategy({where}={value!r}): not a dtype tensor-parallel inference runs in. Allowed:"
             " torch.float32, torch.bfloat16, torch.float16 (or 'fp32', 'bf16', 'fp16')."
         )
@@ -211,36 +212,25 @@ def parse_injection_policy(value: Any) -> InjectionPolicy | None:
     if value is None:
         return None
     if not isinstance(value, Mapping) or not value:
-        raise MisconfigurationException(
+        raise ConfigError(
             f"HPUDeepSpeedStrategy(injection_policy={value!r}): expected a non-empty dict mapping a module class"
             f" (or its import path) to the names of its row-parallel linear layers, e.g. {_EXAMPLE_POLICY}."
         )
     policy: InjectionPolicy = {}
     for key, names in value.items():
-        cls = _import_class(key) if isinstance(key, str) else key
+        cls = import_class(key, "injection_policy=...") if isinstance(key, str) else key
         if not (isinstance(cls, type) and issubclass(cls, Module)):
-            raise MisconfigurationException(
+            raise ConfigError(
                 f"HPUDeepSpeedStrategy(injection_policy=...): key {key!r} is not a torch.nn.Module subclass."
             )
         layer_names = (names,) if isinstance(names, str) else tuple(names or ())
         if not layer_names or not all(isinstance(n, str) and n for n in layer_names):
-            raise MisconfigurationException(
+            raise ConfigError(
                 f"HPUDeepSpeedStrategy(injection_policy=...): {cls.__name__} maps to {names!r}; expected the names"
                 f" of linear layers inside it (a string or a list of strings), e.g. {_EXAMPLE_POLICY}."
             )
         policy[cls] = layer_names
     return policy
-
-
-def _import_class(path: str) -> Any:
-    module_name, _, name = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise MisconfigurationException(
-            f"HPUDeepSpeedStrategy(injection_policy=...): cannot import {path!r} ({err}). Give the module class"
-            " itself or its full import path (package.module.Class)."
-        ) from err
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -261,7 +251,7 @@ def check_zero_options(settings: InferenceSettings, explicit_args: Mapping[str, 
             problems.append('config "zero_optimization.stage": 3')
         problems += [f'config "zero_optimization.{k}"' for k in ("offload_param", "offload_optimizer") if zero.get(k)]
     if problems:
-        raise MisconfigurationException(
+        raise ConfigError(
             f"HPUDeepSpeedStrategy(tensor_parallel={{'tp_size': {settings.tp_size}}}) serves a model split by"
             f" DeepSpeed's inference engine, which ZeRO's {', '.join(problems)} cannot apply to (ZeRO-3 and offload"
             " partition the parameters of a model being trained). Remove them for inference; weights trained with"
@@ -273,13 +263,13 @@ def resolve_dtype(settings: InferenceSettings, precision: str) -> torch.dtype:
     """The engine's dtype: the Trainer's precision, or ``dtype`` when it agrees with it."""
     trainer_dtype = _PRECISION_DTYPES.get(str(precision))
     if trainer_dtype is None:
-        raise MisconfigurationException(
+        raise ConfigError(
             f"Tensor-parallel inference runs in fp32, bf16 or fp16; Trainer(precision={precision!r}) is none of"
             f" them. Use one of {', '.join(repr(p) for p in _PRECISION_DTYPES if '-' in p)}."
         )
     if settings.dtype is not None and settings.dtype != trainer_dtype:
         names = {torch.float32: "32-true", torch.bfloat16: "bf16-true", torch.float16: "16-true"}
-        raise MisconfigurationException(
+        raise ConfigError(
             f"HPUDeepSpeedStrategy(dtype={settings.dtype}) contradicts Trainer(precision={precision!r}), which"
             f" casts every batch to {trainer_dtype}. Drop `dtype` (the precision decides), or use"
             f" Trainer(precision={names[settings.dtype]!r})."
@@ -291,28 +281,28 @@ def check_world(settings: InferenceSettings, world_size: int, device_type: str) 
     """tp_size against the processes the Trainer will start, and device-specific options; before any starts."""
     tp = settings.tp_size
     if tp > world_size:
-        raise MisconfigurationException(
+        raise ConfigError(
             f"HPUDeepSpeedStrategy(tensor_parallel={{'tp_size': {tp}}}) needs {tp} processes; the Trainer starts"
             f" {world_size} (devices x num_nodes). Set Trainer(devices={tp}) or a smaller tp_size."
         )
     if world_size % tp:
-        raise MisconfigurationException(
+        raise ConfigError(
             f"HPUDeepSpeedStrategy(tensor_parallel={{'tp_size': {tp}}}) does not divide the {world_size} processes"
             f" the Trainer starts into tensor-parallel groups. Use a tp_size that divides {world_size}, or"
             f" Trainer(devices=...) x num_nodes a multiple of {tp}."
         )
     if settings.enable_cuda_graph and device_type == "cpu":
-        raise MisconfigurationException(
+        raise ConfigError(
             "HPUDeepSpeedStrategy(enable_cuda_graph=True): graphs are captured on CUDA (CUDA graphs) and Gaudi (HPU"
             " graphs), not on CPU. Remove the argument, or run on accelerator='cuda' / 'hpu'."
         )
     if settings.enable_cuda_graph and device_type == "cuda" and settings.tensor_parallel:
-        raise MisconfigurationException(
+        raise ConfigError(
             "HPUDeepSpeedStrategy(enable_cuda_graph=True) with tp_size > 1: DeepSpeed does not capture CUDA graphs"
             " of a tensor-parallel model. Remove enable_cuda_graph, or use tp_size=1."
         )
     if settings.replace_with_kernel_inject and device_type == "cpu":
-        raise MisconfigurationException(
+        raise ConfigError(
             "HPUDeepSpeedStrategy(replace_with_kernel_inject=True): DeepSpeed's fused inference kernels are CUDA"
             " kernels. On CPU use replace_with_kernel_inject=False (AutoTP or an injection_policy)."
         )
@@ -337,7 +327,7 @@ def check_splittable(model: Module, settings: InferenceSettings) -> None:
         except AssertionError as err:
             reason = str(err)
     if reason:
-        raise MisconfigurationException(
+        raise ConfigError(
             f"DeepSpeed's AutoTP cannot split {type(_unwrap(model)).__name__} ({reason}). Pass"
             " `HPUDeepSpeedStrategy(injection_policy={LayerClass: (names of the linear layers whose outputs are"
             f" summed across ranks, ...)}})`, e.g. {_EXAMPLE_POLICY} for examples/train_lm.py."
@@ -357,7 +347,7 @@ def _check_policy(model: Module, policy: InjectionPolicy) -> None:
             if not any(n == name or n.endswith("." + name) for n in linear):
                 problems.append(f"{cls.__name__}: no linear layer named {name!r} (its linear layers: {sorted(linear)})")
     if problems:
-        raise MisconfigurationException(
+        raise ConfigError(
             "HPUDeepSpeedStrategy(injection_policy=...) does not match the model:\n  " + "\n  ".join(problems)
         )
 
@@ -531,7 +521,7 @@ def is_split(module: Module) -> bool:
 def load_weights(module: Module, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
     """Load the whole weights of :func:`load_full_state_dict` into a module that is not split yet."""
     if is_split(module):
-        raise MisconfigurationException(
+        raise ConfigError(
             f"ckpt_path= with tensor parallelism: this {type(module).__name__} was already split across ranks by an"
             " earlier trainer.predict/validate/test, and whole weights cannot be loaded into it. Pass a new instance"
             " of the module together with ckpt_path, or leave ckpt_path out to keep the weights it has."
