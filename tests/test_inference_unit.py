@@ -386,3 +386,17 @@ def test_serving_names_a_truncated_shard(tmp_path):
     with pytest.raises(IncompleteCheckpointError, match=r"checkpoint/zero_pp_rank_0_mp_rank_00_optim_states\.pt"
                        r" \(truncated\)"):
         inf.load_full_state_dict(path)
+
+
+def test_tensor_parallel_groups_are_made_in_each_process_group(tmp_path):
+    """No group outlives destroy_process_group: a second process group gets groups of its own (issue 22)."""
+    import torch.distributed as dist
+
+    for attempt in range(2):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / f'store{attempt}'}", rank=0, world_size=1)
+        try:
+            mpu = inf._TensorParallelGroup.new(1)
+            assert mpu.get_model_parallel_rank() == 0 and mpu.get_model_parallel_world_size() == 1
+            assert dist.get_world_size(mpu.get_model_parallel_group()) == 1
+        finally:
+            dist.destroy_process_group()

@@ -416,8 +416,8 @@ def init_engine(
     tp_config: dict[str, Any] = {**settings.tp_options, "tp_size": tp_size}
     if 1 < tp_size < world_size:
         # DeepSpeed alone builds one group, of ranks 0..tp_size-1: give it this rank's group of consecutive ranks.
-        group = _TensorParallelGroups.get(tp_size)
-        tp_config.update(mpu=group, tp_group=group.get_model_parallel_group())
+        mpu = _TensorParallelGroup.new(tp_size)
+        tp_config.update(mpu=mpu, tp_group=mpu.group)
     config: dict[str, Any] = {
         "tensor_parallel": tp_config,
         "dtype": dtype,
@@ -480,36 +480,32 @@ def init_zero_engine(model: Module, config: Mapping[str, Any], args: Any, *, zer
     return engine
 
 
-class _TensorParallelGroups:
+@dataclasses.dataclass(frozen=True)
+class _TensorParallelGroup:
     """This rank's tensor-parallel group among consecutive blocks of ``tp_size`` ranks (DeepSpeed's ``mpu``
-    protocol); the data-parallel replicas are the blocks. Built once per process and size: ``new_group`` is a
-    collective every rank calls for every group."""
+    protocol); the data-parallel replicas are the blocks."""
 
-    _made: dict[int, _TensorParallelGroups] = {}
-
-    def __init__(self, tp_size: int) -> None:
-        import torch.distributed as dist
-
-        rank, world = dist.get_rank(), dist.get_world_size()
-        groups = [dist.new_group(list(range(start, start + tp_size))) for start in range(0, world, tp_size)]
-        self._group, self._size = groups[rank // tp_size], tp_size
+    group: Any
+    size: int
 
     @classmethod
-    def get(cls, tp_size: int) -> _TensorParallelGroups:
-        if tp_size not in cls._made:
-            cls._made[tp_size] = cls(tp_size)
-        return cls._made[tp_size]
+    def new(cls, tp_size: int) -> _TensorParallelGroup:
+        """A collective: every rank calls it (``torch.distributed.new_subgroups`` builds every block's group)."""
+        import torch.distributed as dist
+
+        group, _ = dist.new_subgroups(group_size=tp_size)
+        return cls(group, tp_size)
 
     def get_model_parallel_group(self) -> Any:
-        return self._group
+        return self.group
 
     def get_model_parallel_rank(self) -> int:
         import torch.distributed as dist
 
-        return dist.get_rank(self._group)
+        return dist.get_rank(self.group)
 
     def get_model_parallel_world_size(self) -> int:
-        return self._size
+        return self.size
 
 
 def is_split(module: Module) -> bool:

@@ -94,14 +94,14 @@ def _loss_of(output: Any) -> torch.Tensor:
 
 
 def _cast_inputs(inputs: Any, device: torch.device, dtype: torch.dtype) -> Any:
-    if isinstance(inputs, torch.Tensor):
-        inputs = inputs.to(device)
-        return inputs.to(dtype) if inputs.is_floating_point() else inputs
-    if isinstance(inputs, (tuple, list)):
-        return type(inputs)(_cast_inputs(x, device, dtype) for x in inputs)
-    if isinstance(inputs, dict):
-        return {k: _cast_inputs(v, device, dtype) for k, v in inputs.items()}
-    return inputs
+    """Every tensor of ``inputs`` (any nesting) on ``device``; floating-point ones in ``dtype``."""
+    from lightning_utilities import apply_to_collection
+
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.to(device)
+        return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+    return apply_to_collection(inputs, torch.Tensor, cast)
 
 
 def measure_activation_bytes(
