@@ -86,21 +86,13 @@ class DeviceSpec:
     backend: str  # torch.distributed process-group backend
     deepspeed_accelerator: str  # value of DS_ACCELERATOR
     precisions: tuple[str, ...]
-    env_defaults: Mapping[str, str] = field(default_factory=dict)
     zero_defaults: ZeroDefaults = field(default_factory=dict)  # see ZERO_DEFAULT_KEYS
 
 
 DEVICES: dict[str, DeviceSpec] = {
     "cpu": DeviceSpec("cpu", "gloo", "cpu", ("32-true", "bf16-mixed", "bf16-true"), zero_defaults=CPU_ZERO_DEFAULTS),
     "cuda": DeviceSpec("cuda", "nccl", "cuda", ALL_PRECISIONS, zero_defaults=CUDA_ZERO_DEFAULTS),
-    "hpu": DeviceSpec(
-        "hpu",
-        "hccl",
-        "hpu",
-        ALL_PRECISIONS,
-        env_defaults=hpu.ENV_DEFAULTS,
-        zero_defaults=HPU_ZERO_DEFAULTS,
-    ),
+    "hpu": DeviceSpec("hpu", "hccl", "hpu", ALL_PRECISIONS, zero_defaults=HPU_ZERO_DEFAULTS),
 }
 
 

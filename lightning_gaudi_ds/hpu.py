@@ -31,16 +31,6 @@ ENV_DEFAULTS: Mapping[str, str] = {
     "PT_HPU_ENABLE_REFINE_DYNAMIC_SHAPES": "0",
 }
 
-# What remote ranks of a multi-node mpirun need from the launching shell (Open MPI passes only `-x` names): the
-# execution mode and bridge flags, the visible cards, HCCL's network settings, the libraries the bridge loads.
-MPI_FORWARD_PREFIXES = ("PT_HPU_", "PT_HCCL_", "HABANA_", "HCCL_", "HCL_")
-MPI_FORWARD_NAMES = (
-    "LD_LIBRARY_PATH", "GC_KERNEL_PATH", "HABANA_LOGS", "DEEPSPEED_USE_HPU", "TORCHINDUCTOR_COMPILE_THREADS",
-    # read by Habana's DeepSpeed fork (1.20/1.21) in every rank
-    "HPU_DS_OLD_SHARD_SIZE", "DEEPSPEED_USE_HABANA_FRAMEWORKS_DETERMINISTIC_API",
-    "HL_DS_DISABLE_CHECKPOINTING_COMPILE_BYPASS", "DISABLE_LOGS_WHILE_COMPILING",
-)
-
 MISSING_STACK = (
     "`Trainer(accelerator='hpu')` needs the Intel Gaudi software stack: the Python package"
     " `habana_frameworks.torch` is not installed in this environment. Run inside Habana's PyTorch container"
@@ -239,28 +229,6 @@ def fused_optimizer_problem(optimizer: Any, offloads_optimizer: bool) -> str | N
         " optimizer states that ZeRO-Offload keeps on the CPU. Return torch.optim.AdamW (it becomes"
         " DeepSpeedCPUAdam under offload), or turn off offload_optimizer to keep the fused optimizer on the card."
     )
-
-
-# -------------------------------------------------------------------------------------- mpirun on Gaudi
-def mpirun_binding(ranks_per_node: int, physical_cores: int | None) -> list[str]:
-    """Open MPI flags that pin each rank to its own cores, as Habana's launchers do.
-
-    Each rank gets ``physical_cores // ranks_per_node`` cores (its data loader and the bridge's host threads run
-    there). Without a core count, or with fewer cores than ranks, processes are not bound.
-    """
-    per_rank = (physical_cores or 0) // max(ranks_per_node, 1)
-    if per_rank < 1:
-        return ["--bind-to", "none"]
-    return ["--bind-to", "core", "--map-by", f"socket:PE={per_rank}", "--rank-by", "slot"]
-
-
-def mpirun_forward_names(environ: Mapping[str, str] = os.environ) -> list[str]:
-    """The variables set in ``environ`` that remote ranks need, for ``mpirun -x NAME``."""
-    return sorted(
-        key for key in environ
-        if key.startswith(MPI_FORWARD_PREFIXES) or key in MPI_FORWARD_NAMES
-    )
-
 
 
 def wrap_in_hpu_graph(module: Any) -> Any:

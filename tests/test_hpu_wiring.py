@@ -24,6 +24,7 @@ from lightning_gaudi_ds.devices import (
     move_keeping_tied_parameters,
     validate_precision,
 )
+from lightning_gaudi_ds.launch import plan as launch_plan
 from tests import hpu_double
 from tests.hpu_double import FusedAdamW
 
@@ -269,7 +270,7 @@ def test_fork_determinism_variable(clean_env, api):
     double = hpu_double.install(clean_env)
     assert double.deterministic is (expected == "hpu")
     assert torch.are_deterministic_algorithms_enabled() is (expected == "torch")
-    assert "DEEPSPEED_USE_HABANA_FRAMEWORKS_DETERMINISTIC_API" in hpu.MPI_FORWARD_NAMES  # mpirun forwards it
+    assert "DEEPSPEED_USE_HABANA_FRAMEWORKS_DETERMINISTIC_API" in launch_plan.MPI_FORWARD_NAMES  # mpirun forwards it
 
 
 def test_double_hccl_refuses_cpu_tensors(gaudi):
@@ -359,15 +360,15 @@ def test_fused_optimizer_refused_only_with_offload():
 
 # -------------------------------------------------------------------------------------- mpirun (point 5)
 def test_mpirun_binding_gives_each_rank_its_cores():
-    assert hpu.mpirun_binding(8, 96) == ["--bind-to", "core", "--map-by", "socket:PE=12", "--rank-by", "slot"]
-    assert hpu.mpirun_binding(8, 4) == ["--bind-to", "none"]
-    assert hpu.mpirun_binding(2, None) == ["--bind-to", "none"]
+    assert launch_plan.mpirun_binding(8, 96) == ["--bind-to", "core", "--map-by", "socket:PE=12", "--rank-by", "slot"]
+    assert launch_plan.mpirun_binding(8, 4) == ["--bind-to", "none"]
+    assert launch_plan.mpirun_binding(2, None) == ["--bind-to", "none"]
 
 
 def test_mpirun_forwards_gaudi_variables_that_are_set():
     env = {"PT_HPU_LAZY_MODE": "0", "HABANA_VISIBLE_MODULES": "4,5", "HCCL_SOCKET_IFNAME": "eth0",
            "LD_LIBRARY_PATH": "/usr/lib/habanalabs", "HOME": "/root", "PT_HCCL_SLICE_SIZE_MB": "16"}
-    assert hpu.mpirun_forward_names(env) == ["HABANA_VISIBLE_MODULES", "HCCL_SOCKET_IFNAME", "LD_LIBRARY_PATH",
+    assert launch_plan.mpirun_forward_names(env) == ["HABANA_VISIBLE_MODULES", "HCCL_SOCKET_IFNAME", "LD_LIBRARY_PATH",
                                              "PT_HCCL_SLICE_SIZE_MB", "PT_HPU_LAZY_MODE"]
 
 

@@ -205,14 +205,6 @@ def test_sampler_gives_every_rank_of_a_group_the_same_samples():
     assert [inf.sampler_kwargs(4, r, 2) for r in range(4)] == [{"num_replicas": 2, "rank": r // 2} for r in range(4)]
 
 
-def test_parameter_numel_counts_tied_weights_once():
-    _, gpt = _gpt()
-    total = sum(p.numel() for p in gpt.parameters())  # parameters() already dedupes the tied lm_head
-    assert inf.parameter_numel(gpt) == total
-    gpt.lm_head.weight = torch.nn.Parameter(gpt.wte.weight.detach().clone())
-    assert inf.parameter_numel(gpt) == total + gpt.wte.weight.numel()
-
-
 def test_checkpoint_file_and_missing_path(tmp_path):
     _, gpt = _gpt()
     torch.save(gpt.state_dict(), tmp_path / "bare.pt")

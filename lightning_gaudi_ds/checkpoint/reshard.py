@@ -35,6 +35,7 @@ from lightning_gaudi_ds.checkpoint.io import (
 from lightning_gaudi_ds.checkpoint.read import read_full_checkpoint
 
 if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
     from lightning.pytorch import LightningModule
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,8 @@ def universal_checkpoint(info: CheckpointInfo, comm: RankZeroComm) -> Path:
 
 
 def load_resharded(
-    info: CheckpointInfo, comm: ReshardComm, engine: Any, module: Module, *, fitting: bool, strict: bool = True,
-    weights_only: bool | None = None,
+    info: CheckpointInfo, comm: ReshardComm, engine: DeepSpeedEngine | None, module: Module, *, fitting: bool,
+    strict: bool = True, weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Load ``info``, written by another number of ranks, into ``engine``; return the client (Lightning) state.
 
@@ -91,7 +92,7 @@ def load_resharded(
         f"Checkpoint {info.path} was saved by {info.world_size} ranks and is loaded on {comm.world_size}:"
         " resharding it."
     )
-    if fitting and getattr(engine, "optimizer", None) is not None:
+    if fitting and engine is not None and getattr(engine, "optimizer", None) is not None:
         root = universal_checkpoint(info, comm)
         with _compat.universal_checkpoint_loading(engine):
             _, client_state = engine.load_checkpoint(
@@ -128,7 +129,7 @@ def load_fp32_weights(
 
 def load_checkpoint(
     path: PathLike, comm: ReshardComm, *, zero_stage: int, module: LightningModule | None, fitting: bool | None,
-    engine: Any, deepspeed_load: Callable[[], dict[str, Any]], weights_only: bool | None = None,
+    engine: DeepSpeedEngine | None, deepspeed_load: Callable[[], dict[str, Any]], weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Validate the ZeRO checkpoint at ``path`` against the running ``zero_stage``, then load it the way the run
     allows; returns the client (Lightning) state.

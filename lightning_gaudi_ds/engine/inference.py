@@ -550,14 +550,6 @@ def sampler_kwargs(world_size: int, global_rank: int, tp_size: int) -> dict[str,
     return {"num_replicas": max(1, world_size // tp_size), "rank": global_rank // tp_size}
 
 
-def parameter_numel(module: Module) -> int:
-    """Parameter elements this process holds (a tensor shared by two parameters counts once)."""
-    seen: dict[tuple[int, int], int] = {}
-    for p in module.parameters():
-        seen[(p.untyped_storage().data_ptr(), int(p.storage_offset()))] = p.numel()
-    return sum(seen.values())
-
-
 # ------------------------------------------------------------------------------------------ checkpoints
 def checkpoint_hparams(path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
     """The LightningModule's saved hyperparameters (``save_hyperparameters``) of a sharded or single-file checkpoint,

@@ -23,6 +23,38 @@ from lightning_gaudi_ds import hpu
 from lightning_gaudi_ds.launch._proc import RUN_DIR_ENV, STOP_TIMEOUT_ENV
 from lightning_gaudi_ds.launch.hostfile import Host, parse_hostfile
 
+# What remote ranks of a multi-node mpirun need from the launching shell (Open MPI passes only `-x` names): the
+# execution mode and bridge flags, the visible cards, HCCL's network settings, the libraries the bridge loads.
+MPI_FORWARD_PREFIXES = ("PT_HPU_", "PT_HCCL_", "HABANA_", "HCCL_", "HCL_")
+MPI_FORWARD_NAMES = (
+    "LD_LIBRARY_PATH", "GC_KERNEL_PATH", "HABANA_LOGS", "DEEPSPEED_USE_HPU", "TORCHINDUCTOR_COMPILE_THREADS",
+    # read by Habana's DeepSpeed fork (1.20/1.21) in every rank
+    "HPU_DS_OLD_SHARD_SIZE", "DEEPSPEED_USE_HABANA_FRAMEWORKS_DETERMINISTIC_API",
+    "HL_DS_DISABLE_CHECKPOINTING_COMPILE_BYPASS", "DISABLE_LOGS_WHILE_COMPILING",
+)
+
+
+# -------------------------------------------------------------------------------------- mpirun on Gaudi
+def mpirun_binding(ranks_per_node: int, physical_cores: int | None) -> list[str]:
+    """Open MPI flags that pin each rank to its own cores, as Habana's launchers do.
+
+    Each rank gets ``physical_cores // ranks_per_node`` cores (its data loader and the bridge's host threads run
+    there). Without a core count, or with fewer cores than ranks, processes are not bound.
+    """
+    per_rank = (physical_cores or 0) // max(ranks_per_node, 1)
+    if per_rank < 1:
+        return ["--bind-to", "none"]
+    return ["--bind-to", "core", "--map-by", f"socket:PE={per_rank}", "--rank-by", "slot"]
+
+
+def mpirun_forward_names(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The variables set in ``environ`` that remote ranks need, for ``mpirun -x NAME``."""
+    return sorted(
+        key for key in environ
+        if key.startswith(MPI_FORWARD_PREFIXES) or key in MPI_FORWARD_NAMES
+    )
+
+
 RUN_ID_ENV = "LIGHTNING_GAUDI_DS_RUN_ID"  # the job's token: how the supervisor finds every process of the job
 SHIM = str(Path(__file__).resolve().with_name("rank.py"))
 LAUNCHERS = ("python", "torchrun", "deepspeed", "mpirun")
@@ -68,7 +100,7 @@ class Machine:
 
         return cls(sys.executable, shutil.which("mpirun") or "mpirun", hasattr(os, "geteuid") and os.geteuid() == 0,
                    os.cpu_count() or 1, hpu.habana_frameworks_installed(), psutil.cpu_count(logical=False),
-                   tuple(hpu.mpirun_forward_names(os.environ)))
+                   tuple(mpirun_forward_names(os.environ)))
 
 
 def split_command(command: str) -> list[str]:
@@ -200,7 +232,7 @@ def launch_argv(spec: LaunchSpec, user: Sequence[str], port: int, machine: Machi
             # Habana's launchers pin each rank to its share of the cores; remote ranks need the mode and the
             # Gaudi settings of this shell.
             per_node = max(h.slots for h in spec.hosts) if spec.hosts else spec.world_size
-            cmd += hpu.mpirun_binding(per_node, machine.physical_cores)
+            cmd += mpirun_binding(per_node, machine.physical_cores)
             exports += [key for key in [hpu.LAZY_MODE_ENV, *machine.gaudi_env] if key not in exports]
         else:
             cmd += ["--bind-to", "none"]
@@ -264,6 +296,6 @@ def _gaudi(spec: LaunchSpec, machine: Machine) -> bool:
 
 def deepspeed_env_text(env: Mapping[str, str], user_lines: str = "") -> str:
     """DeepSpeed's env file for a multi-node Gaudi launch: the user's own lines, then the Gaudi variables of ``env``."""
-    names = hpu.mpirun_forward_names(env)
+    names = mpirun_forward_names(env)
     ours = "".join(f"{key}={env[key]}\n" for key in names)
     return (user_lines if not user_lines or user_lines.endswith("\n") else user_lines + "\n") + ours

@@ -147,9 +147,8 @@ def decide(
     ``("error", message)``. Logs the plan's table and the choice."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-    from lightning_gaudi_ds.planning.command import format_table
     from lightning_gaudi_ds.planning.detect import detect_device_memory, detect_host_memory
-    from lightning_gaudi_ds.planning.memory import choose
+    from lightning_gaudi_ds.planning.memory import choose, format_table
 
     try:
         device_memory = auto.device_memory or detect_device_memory(device.type)

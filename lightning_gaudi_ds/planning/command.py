@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from lightning_gaudi_ds.planning.memory import NO_DEVICE_MEMORY, format_table
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_argument_group("model (one of)")
@@ -118,14 +120,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         json.dump(rows, out, indent=1)
         out.write("\n")
         if rows[0]["device_memory"] is None:
-            sys.stderr.write(f"note: {_NO_DEVICE_MEMORY}\n")
+            sys.stderr.write(f"note: {NO_DEVICE_MEMORY}\n")
     else:
         out.write(format_table(rows, spec.name) + "\n")
     return 0
 
-
-_NO_DEVICE_MEMORY = ("no accelerator here to read the device memory from, so whether each configuration fits is"
-                     " unknown (\"?\"); pass --device-memory, the memory of one device (e.g. --device-memory 96GB)")
 
 
 def _model(args: argparse.Namespace, init_args: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -143,9 +142,9 @@ def _model(args: argparse.Namespace, init_args: dict[str, Any]) -> tuple[Any, An
                              " trainable parameters > 0, e.g. 7e9 or 125000000")
         if args.measure_activations:
             raise ValueError("--measure-activations needs the model itself: use --model or --hf-config")
-        from lightning_gaudi_ds.planning.memory import _count
+        from lightning_gaudi_ds.planning.memory import parameter_count
 
-        return None, ModelSpec(params=_count(n), name=f"{n:.3g} parameters"), None
+        return None, ModelSpec(params=parameter_count(n), name=f"{n:.3g} parameters"), None
     if args.model is not None:
         if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` would: modules of the directory
             sys.path.insert(0, os.getcwd())
@@ -194,54 +193,6 @@ def _measure(args: argparse.Namespace, built: Any, inputs: Any) -> int:
         ids = torch.randint(0, int(getattr(built, "vocab_size", 2) or 2), (args.batch_size, seq))
         inputs = {"input_ids": ids, "labels": ids}
     return measure_activation_bytes(module, inputs, args.precision, device)
-
-
-def format_table(rows: Sequence[dict[str, Any]], name: str = "") -> str:
-    from lightning_gaudi_ds.planning.units import format_bytes as fb
-
-    r0 = rows[0]
-    head = (f"{name + ': ' if name else ''}{r0['params']:,} trainable parameters"
-            + (f" (+{r0['frozen_params']:,} frozen)" if r0["frozen_params"] else "")
-            + f", {r0['world_size']} rank(s) ({r0['devices']} device(s) x {r0['nodes']} node(s)), {r0['precision']},"
-            f" {r0['optimizer']}; device memory {fb(r0['device_memory'])}, host memory {fb(r0['host_memory'])}/node,"
-            f" {r0['headroom']:.0%} kept free")
-    cols = ("configuration", "device/rank", "peak in", "params", "grads", "optim", "buffers", "transient",
-            "step temps", "host/node", "fits", "sent/rank/step")
-    table = [cols]
-    for r in rows:
-        d = r["device_parts"]
-        fits = {True: "yes", False: "no", None: "?"}[r["fits"]]
-        if r["fits"] is False and r["fits_device"]:
-            fits = "no (host)"
-        phase = "backward" if r["backward_peak_bytes"] >= r["step_peak_bytes"] else "step"
-        table.append((r["label"], fb(r["device_bytes"]), phase, fb(d["params"]), fb(d["grads"]), fb(d["optimizer"]),
-                      fb(d["buffers"]), fb(r["transient_bytes"]), fb(r["step_temporary_bytes"]), fb(r["host_bytes"]),
-                      fits, fb(r["comm_bytes"])))
-    widths = [max(len(str(row[i])) for row in table) for i in range(len(cols))]
-    lines = [head, ""]
-    for i, row in enumerate(table):
-        pairs = enumerate(zip(row, widths, strict=True))
-        cells = [str(c).ljust(w) if j == 0 else str(c).rjust(w) for j, (c, w) in pairs]
-        lines.append("  ".join(cells))
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    b = r0["buckets"]
-    act = r0["activation_bytes"]
-    lines += ["", f"buckets (elements): reduce {b['reduce_bucket_size']:,}, allgather {b['allgather_bucket_size']:,},"
-              f" ZeRO-3 prefetch {b['stage3_prefetch_bucket_size']:,}, persistence threshold"
-              f" {b['stage3_param_persistence_threshold']:,}; overlap_comm {b['overlap_comm']}",
-              "activations: " + (f"{fb(act)} (measured, one micro batch) included" if act is not None
-                                 else "not included (use --measure-activations)")]
-    fitting = [r for r in rows if r["fits"]]
-    if fitting:
-        lines.append(f"fastest that fits: {fitting[0]['label']}")
-    elif r0["device_memory"] is not None:
-        from lightning_gaudi_ds.planning.memory import no_fit_message
-
-        lines.append(no_fit_message(rows))
-    else:
-        lines.append(f"fits: {_NO_DEVICE_MEMORY}")
-    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -348,7 +348,7 @@ def plan_memory(
     """
     from lightning_gaudi_ds.planning.units import parse_bytes
 
-    spec = model if isinstance(model, ModelSpec) else ModelSpec(params=_count(model))
+    spec = model if isinstance(model, ModelSpec) else ModelSpec(params=parameter_count(model))
     for name, value in (("devices", devices), ("nodes", nodes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -457,7 +457,58 @@ def no_fit_message(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines + ["What would fit: " + "; ".join(hints) + "." if hints else ""]).rstrip()
 
 
-def _count(value: Any) -> int:
+def parameter_count(value: Any) -> int:
+    """``value`` (a number such as 7e9) as a whole, positive parameter count; ``ValueError`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or value != int(value):
         raise ValueError(f"params={value!r} must be a positive whole number of parameters, e.g. 7e9")
     return int(value)
+
+
+NO_DEVICE_MEMORY = ("no accelerator here to read the device memory from, so whether each configuration fits is"
+                     " unknown (\"?\"); pass --device-memory, the memory of one device (e.g. --device-memory 96GB)")
+
+
+def format_table(rows: Sequence[dict[str, Any]], name: str = "") -> str:
+    """The planner's rows (:func:`choose`) as the text table ``lightning-gaudi-ds plan`` and ``stage="auto"`` print."""
+    fb = format_bytes
+    r0 = rows[0]
+    head = (f"{name + ': ' if name else ''}{r0['params']:,} trainable parameters"
+            + (f" (+{r0['frozen_params']:,} frozen)" if r0["frozen_params"] else "")
+            + f", {r0['world_size']} rank(s) ({r0['devices']} device(s) x {r0['nodes']} node(s)), {r0['precision']},"
+            f" {r0['optimizer']}; device memory {fb(r0['device_memory'])}, host memory {fb(r0['host_memory'])}/node,"
+            f" {r0['headroom']:.0%} kept free")
+    cols = ("configuration", "device/rank", "peak in", "params", "grads", "optim", "buffers", "transient",
+            "step temps", "host/node", "fits", "sent/rank/step")
+    table = [cols]
+    for r in rows:
+        d = r["device_parts"]
+        fits = {True: "yes", False: "no", None: "?"}[r["fits"]]
+        if r["fits"] is False and r["fits_device"]:
+            fits = "no (host)"
+        phase = "backward" if r["backward_peak_bytes"] >= r["step_peak_bytes"] else "step"
+        table.append((r["label"], fb(r["device_bytes"]), phase, fb(d["params"]), fb(d["grads"]), fb(d["optimizer"]),
+                      fb(d["buffers"]), fb(r["transient_bytes"]), fb(r["step_temporary_bytes"]), fb(r["host_bytes"]),
+                      fits, fb(r["comm_bytes"])))
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(cols))]
+    lines = [head, ""]
+    for i, row in enumerate(table):
+        pairs = enumerate(zip(row, widths, strict=True))
+        cells = [str(c).ljust(w) if j == 0 else str(c).rjust(w) for j, (c, w) in pairs]
+        lines.append("  ".join(cells))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    b = r0["buckets"]
+    act = r0["activation_bytes"]
+    lines += ["", f"buckets (elements): reduce {b['reduce_bucket_size']:,}, allgather {b['allgather_bucket_size']:,},"
+              f" ZeRO-3 prefetch {b['stage3_prefetch_bucket_size']:,}, persistence threshold"
+              f" {b['stage3_param_persistence_threshold']:,}; overlap_comm {b['overlap_comm']}",
+              "activations: " + (f"{fb(act)} (measured, one micro batch) included" if act is not None
+                                 else "not included (use --measure-activations)")]
+    fitting = [r for r in rows if r["fits"]]
+    if fitting:
+        lines.append(f"fastest that fits: {fitting[0]['label']}")
+    elif r0["device_memory"] is not None:
+        lines.append(no_fit_message(rows))
+    else:
+        lines.append(f"fits: {NO_DEVICE_MEMORY}")
+    return "\n".join(lines)

@@ -98,11 +98,6 @@ def build_on_meta(cls: type, init_args: Mapping[str, Any] | None = None, target:
     return module
 
 
-def spec_from_class_path(target: str, init_args: Mapping[str, Any] | None = None) -> ModelSpec:
-    cls = import_class(target)
-    return spec_from_module(build_on_meta(cls, init_args, target), name=target)
-
-
 # Sizes of a Hugging Face config (and GPT-2's names for them) that must be whole numbers >= 1.
 _HF_SIZES = ("hidden_size", "n_embd", "d_model", "num_hidden_layers", "n_layer", "num_attention_heads", "n_head",
              "num_key_value_heads", "intermediate_size", "vocab_size", "max_position_embeddings", "n_positions")

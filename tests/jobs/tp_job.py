@@ -32,7 +32,6 @@ from torch.utils.data import DataLoader, TensorDataset
 REPO = Path(__file__).resolve().parents[2]
 import lightning_gaudi_ds  # noqa: E402,F401
 from lightning_gaudi_ds import HPUDeepSpeedStrategy  # noqa: E402
-from lightning_gaudi_ds.engine.inference import parameter_numel  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("train_lm", REPO / "examples" / "train_lm.py")
 lm = importlib.util.module_from_spec(spec)
@@ -40,6 +39,14 @@ sys.modules["train_lm"] = lm
 spec.loader.exec_module(lm)
 
 VOCAB, SEQ, SAMPLES = 256, 16, 8
+
+
+def parameter_numel(module: torch.nn.Module) -> int:
+    """Parameter elements this process holds (a tensor shared by two parameters counts once)."""
+    seen: dict[tuple[int, int], int] = {}
+    for p in module.parameters():
+        seen[(p.untyped_storage().data_ptr(), int(p.storage_offset()))] = p.numel()
+    return sum(seen.values())
 
 
 def _data() -> TensorDataset:
