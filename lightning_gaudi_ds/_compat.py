@@ -60,6 +60,7 @@ __all__ = [
     "forget_jit_extension",
     "hf_deepspeed_config_ref",
     "is_unimplemented_builder",
+    "forget_deepspeed_groups",
     "give_bf16_optimizer_zero_grad",
     "zero3_backward_requires_training_mode",
     "zero3_param_coordinator",
@@ -380,6 +381,26 @@ def _function_names(function: Any) -> set[str]:
         with contextlib.suppress(ValueError):  # an empty cell
             names.add(getattr(cell.cell_contents, "__name__", ""))
     return names
+
+
+def forget_deepspeed_groups() -> None:
+    """Drop the process groups DeepSpeed's group registry (``deepspeed.utils.groups``: ``_WORLD_GROUP``,
+    ``_DATA_PARALLEL_GROUP``, the expert- and sequence-parallel dicts, ...) holds, so that destroying them frees
+    them. Only at interpreter exit: DeepSpeed rebuilds them with a new process group, not without one."""
+    import sys
+
+    from torch.distributed import ProcessGroup
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    for name, value in list(vars(groups).items()):
+        if not name.startswith("_") or name.startswith("__"):
+            continue
+        if isinstance(value, ProcessGroup):
+            setattr(groups, name, None)
+        elif isinstance(value, dict) and any(isinstance(v, ProcessGroup) for v in value.values()):
+            value.clear()
 
 
 # ================================================================================================= Gaudi (gaudi)

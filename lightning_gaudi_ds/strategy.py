@@ -80,7 +80,7 @@ from lightning_gaudi_ds.devices import (
     hpu_available,
     validate_precision,
 )
-from lightning_gaudi_ds.engine import checkpointing, inference, train
+from lightning_gaudi_ds.engine import checkpointing, inference, shutdown, train
 from lightning_gaudi_ds.engine.device import DeviceRuntime, hccl_reduce_input
 from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV, prepare_startup
 from lightning_gaudi_ds.launch.environments import (
@@ -348,8 +348,10 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             self._timeout = timeout
 
         # Announced across nodes only: on one node the other ranks are starting (imports take seconds).
+        started = not torch.distributed.is_initialized()
         bounded_rendezvous(super()._init_deepspeed_distributed, what, full, set_timeout, limit=limit,
                            announce=self.local_rank == 0 and self.num_nodes > 1)
+        shutdown.end_at_exit(started)  # ours ends at exit, its C++ threads joined before finalization
 
     def _validate_device_indices(self) -> None:
         # Lightning's check, wherever devices have an index (CUDA; HPU and CPU devices have none): DeepSpeed takes

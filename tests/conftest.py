@@ -18,6 +18,7 @@ FORK_TIER = (
     "tests/test_config_training.py::test_seed_config_verbatim_from_env_var",
     "tests/test_config_training.py::test_shipped_config",
     "tests/test_launch_e2e.py::test_deepspeed_launcher",
+    "tests/test_exit.py::test_process_group_threads_end_before_finalization",
 )
 
 

@@ -12,6 +12,8 @@ sizes), the resolved ``strategy.config``, and the optimizer the engine trains wi
 
 from __future__ import annotations
 
+import atexit
+import collections
 import os
 import signal
 import time
@@ -72,6 +74,12 @@ class LateRegressionModel(RegressionModel):
             )
 
 
+def _print_exit_threads() -> None:
+    tasks = sorted(os.listdir("/proc/self/task"))
+    names = collections.Counter(open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks)
+    print(f"exit-threads rank={os.environ.get('LOCAL_RANK', '0')} {dict(sorted(names.items()))}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = job_parser(__doc__)
     parser.add_argument("--strategy", default="deepspeed", help="deepspeed | ddp | a registered name")
@@ -101,7 +109,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-eval", action="store_true", help="no validate/test/predict after fit")
     parser.add_argument("--csv-logger", action="store_true", help="log with CSVLogger under --out")
     parser.add_argument("--fault", default=None, help="launcher tests: RANK:STEP:raise|exit|kill|hang")
+    parser.add_argument("--exit-probe", action="store_true",
+                        help="print the C++ threads left when the last atexit handler runs (before finalization)")
     args = parser.parse_args(argv)
+    if args.exit_probe:  # registered first, so it runs after every handler registered later (atexit is LIFO)
+        atexit.register(_print_exit_threads)
 
     start_process()
     if args.strategy == "deepspeed":
