@@ -32,6 +32,7 @@ from torch import nn
 import lightning_gaudi_ds
 from lightning_gaudi_ds import ConfigError, HPUDeepSpeedStrategy
 from lightning_gaudi_ds.config import AutoContext, ConfigResolver, resolve_config
+from lightning_gaudi_ds.config.validate import check_device_indices
 from tests.procs import JOBS, run_job
 
 LIGHTNING_STYLE_CONFIG = {  # the shape of the config Lightning's tests use
@@ -280,7 +281,7 @@ def test_cuda_devices_in_local_rank_order_and_devices_without_index_pass(monkeyp
     trainer = _trainer(accelerator="cuda", devices=2, strategy=HPUDeepSpeedStrategy())
     assert trainer.strategy.parallel_devices == [torch.device("cuda", 0), torch.device("cuda", 1)]
     for devices in ([torch.device("cpu")] * 2, [torch.device("hpu")] * 2):
-        HPUDeepSpeedStrategy(parallel_devices=devices)._validate_device_indices()
+        check_device_indices(devices)
 
 
 # ------------------------------------------------------------------------------ activation checkpointing
