@@ -33,8 +33,9 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, Strateg
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.types import LRSchedulerConfig
+from lightning.pytorch.utilities.types import STEP_OUTPUT, LRSchedulerConfig
 from torch import Tensor
+from torch.distributed import ReduceOp
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -43,7 +44,6 @@ from lightning_gaudi_ds import checkpoint as ckpt
 from lightning_gaudi_ds import hf, hpu
 from lightning_gaudi_ds._compat import (
     _PATH,
-    _init_optimizers_and_lr_schedulers,
     _StrategyRegistry,
     attached_trainer,
     give_bf16_optimizer_zero_grad,
@@ -69,6 +69,7 @@ from lightning_gaudi_ds.config.validate import (
 from lightning_gaudi_ds.devices import DeviceSpec, device_spec
 from lightning_gaudi_ds.engine import checkpointing, inference, train
 from lightning_gaudi_ds.engine.device import DeviceRuntime, hccl_reduce_input
+from lightning_gaudi_ds.engine.step import step, third_party_deprecations_silenced
 from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV, prepare_startup
 from lightning_gaudi_ds.launch.environments import check_launcher_world_size, resolve_environment
 from lightning_gaudi_ds.launch.rendezvous import bounded_rendezvous, rendezvous_timeout, waiting_message
@@ -313,7 +314,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._runtime.before_engine(self.lightning_module, self.root_device)
-        with _third_party_deprecations_silenced():
+        with third_party_deprecations_silenced():
             super().setup(trainer)
 
     @override
@@ -401,7 +402,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def _set_deepspeed_activation_checkpointing(self) -> None:
-        # Lightning's version drops the number of checkpoints and synchronize_checkpoint_boundary.
+        # Lightning's version drops the number of checkpoints and synchronize_checkpoint_boundary: DeepSpeed reads
+        # the whole section itself.
         assert isinstance(self.config, dict)
         checkpointing.configure(self.config)
 
@@ -414,61 +416,52 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def _init_optimizers(self) -> tuple[Optimizer, LRSchedulerConfig | None]:
-        # A copy of Lightning 2.6.6's DeepSpeedStrategy._init_optimizers, with an error that names what was returned
-        # and the check for Habana's fused optimizers.
-        assert self.lightning_module is not None
-        optimizer, scheduler_config = train.single_optimizer(*_init_optimizers_and_lr_schedulers(self.lightning_module))
+        # Lightning's, then the check for Habana's fused optimizers.
+        optimizer, scheduler_config = super()._init_optimizers()
         offload = isinstance(self.config, dict) and offloads_optimizer(self.config)
         problem = hpu.fused_optimizer_problem(optimizer, offload)
         if problem:
             raise ConfigError(problem)
         return optimizer, scheduler_config
 
-    # ------------------------------------------------------------------- HPU lazy-mode graph breaks
+    # ------------------------------------------ engine calls: HPU lazy-mode graph breaks (engine.step)
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        with _third_party_deprecations_silenced():
-            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-        self._graph_break()
-        return loss
+        with step(self._runtime):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with _third_party_deprecations_silenced():
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with step(self._runtime, graph_break=False):
             return super().training_step(*args, **kwargs)
 
     @override
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        with _third_party_deprecations_silenced():
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._graph_break()
-        return output
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: pl.LightningModule | Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        with step(self._runtime):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().validation_step, *args, **kwargs)
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with step(self._runtime, evaluation_config=self.config):
+            return super().validation_step(*args, **kwargs)
 
     @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().test_step, *args, **kwargs)
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with step(self._runtime, evaluation_config=self.config):
+            return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().predict_step, *args, **kwargs)
-
-    def _evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        self._graph_break()
-        with _third_party_deprecations_silenced():
-            output = step(*args, **kwargs)
-        self._graph_break()
-        checkpointing.reset_after_forward(self.config)
-        return output
-
-    def _graph_break(self) -> None:
-        self._runtime.graph_break()
+        with step(self._runtime, evaluation_config=self.config):
+            return super().predict_step(*args, **kwargs)
 
     @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor:
         if self._get_process_group_backend() != "hccl" or not isinstance(tensor, Tensor):
             return super().reduce(tensor, group, reduce_op)
         tensor, mean = hccl_reduce_input(tensor, self.root_device, reduce_op)
@@ -573,10 +566,6 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     # ------------------------------------------ tensor-parallel inference (lightning_gaudi_ds.engine.inference)
     @property
-    def _tensor_parallel(self) -> bool:
-        return self._inference is not None and self._inference.tensor_parallel
-
-    @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         # The inference engine splits the weights it is given: load them whole before it is built.
@@ -624,15 +613,6 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         for name, description, kwargs in _REGISTERED:
             strategy_registry.register(name, cls, description=description, override=True, **kwargs)
-
-
-@contextlib.contextmanager
-def _third_party_deprecations_silenced() -> Iterator[None]:
-    """Inside the strategy's own calls only: DeepSpeed's ZeRO collectives call torch's deprecated
-    ``all_gather_into_tensor`` (a FutureWarning per rank on every run), which the user can do nothing about."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning)
-        yield
 
 
 def _is_partition(param: Tensor) -> bool:

@@ -118,20 +118,6 @@ def optimizer_sources(
     return client, scheduler_config
 
 
-def single_optimizer(
-    optimizers: list[Optimizer], schedulers: list[LRSchedulerConfig]
-) -> tuple[Optimizer, LRSchedulerConfig | None]:
-    """The one optimizer and at most one scheduler DeepSpeed takes, from what ``configure_optimizers`` returned."""
-    if len(optimizers) != 1 or len(schedulers) > 1:
-        names = [type(o).__name__ for o in optimizers]
-        raise ConfigError(
-            f"`configure_optimizers` returned {len(optimizers)} optimizers {names} and {len(schedulers)}"
-            " schedulers; DeepSpeed takes exactly one optimizer and at most one scheduler. Return a single"
-            " optimizer (use parameter groups for different settings)."
-        )
-    return optimizers[0], schedulers[0] if schedulers else None
-
-
 def eval_mode_warning(module: torch.nn.Module) -> str | None:
     """Under ZeRO-3 on a DeepSpeed whose backward asserts training mode (Habana's fork), what to tell the user about
     ``module``'s submodules left in eval mode at the start of training; None when there are none or it is safe."""
