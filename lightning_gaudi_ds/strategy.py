@@ -1,11 +1,16 @@
 """``HPUDeepSpeedStrategy``: Lightning's DeepSpeed strategy made device-neutral (HPU, CUDA, CPU).
 
-Only Lightning's hooks live here; they gather facts from the Trainer and delegate: the DeepSpeed config to
-:mod:`lightning_gaudi_ds.config`, the optimizer policy to :mod:`lightning_gaudi_ds.engine`, what the device needs
-around the engine (Gaudi execution mode, compile, graph breaks) to :mod:`lightning_gaudi_ds.engine.device`,
-``stage="auto"`` to :mod:`lightning_gaudi_ds.planning.auto`, checkpoints to :mod:`lightning_gaudi_ds.checkpoint`,
-JIT-built ops to :mod:`lightning_gaudi_ds.jit_ops`. Everything else (precision plugin, checkpointing, ZeRO-3
-``zero.Init``, optimizer wiring) is Lightning's own ``DeepSpeedStrategy``.
+Lightning's hooks, which gather facts from the Trainer and delegate: the DeepSpeed config and its resolution to
+:class:`lightning_gaudi_ds.config.StrategyConfig`, argument and pre-launch checks to
+:mod:`lightning_gaudi_ds.config.validate`, the optimizer policy to :mod:`lightning_gaudi_ds.engine.train`, what
+surrounds each engine call to :mod:`lightning_gaudi_ds.engine.step`, what the device needs around the engine (Gaudi
+execution mode, compile, graph breaks) to :mod:`lightning_gaudi_ds.engine.device`, ``stage="auto"`` to
+:mod:`lightning_gaudi_ds.planning.auto`, checkpoints to :mod:`lightning_gaudi_ds.checkpoint`, JIT-built ops to
+:mod:`lightning_gaudi_ds.jit_ops`. Five methods remain copies of Lightning's with a change (``setup_environment``,
+``setup_distributed``, ``_initialize_deepspeed_train``, ``_initialize_deepspeed_inference``,
+``_setup_model_and_optimizer``), each hash-guarded in :mod:`lightning_gaudi_ds._compat`
+(``COPIED_DEEPSPEED_STRATEGY_METHODS``). Everything else (precision plugin, checkpointing, ZeRO-3 ``zero.Init``,
+optimizer wiring) is Lightning's own ``DeepSpeedStrategy``.
 
 DeepSpeed itself is imported inside the methods that use it: importing it picks DeepSpeed's global accelerator by
 auto-detection (and logs it), which must wait until ``setup_environment`` has chosen the Trainer's device; it
@@ -475,14 +480,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         super().on_train_end()
         module = self.lightning_module
         if self.zero_stage_3 and module is not None and any(_is_partition(p) for p in module.parameters()):
-            rank_zero_warn(
-                "ZeRO-3: after fit, the module's parameters are this rank's partitions, so `model.state_dict()`"
-                " returns empty tensors and `torch.save(model.state_dict(), ...)` saves nothing useful."
-                " For the full weights, call `trainer.save_checkpoint(path)` on every rank, then"
-                " `lightning-gaudi-ds convert path model.pt` (one fp32 file); or gather them in memory on every rank:"
-                " `with deepspeed.zero.GatheredParameters(list(model.parameters())): state = {k: v.clone() for k, v"
-                " in model.state_dict().items()}`. trainer.validate/test/predict(model) use the partitions as they are."
-            )
+            rank_zero_warn(train.PARTITIONED_AFTER_FIT)
 
     @override
     def teardown(self) -> None:
