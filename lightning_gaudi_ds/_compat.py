@@ -19,7 +19,7 @@ from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR_AL
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.strategies.deepspeed import _format_precision_config, _validate_device_index_selection
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.core.optimizer import _MockOptimizer
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -41,6 +41,7 @@ __all__ = [
     "_StrategyRegistry",
     "_PRECISION_INPUT_STR_ALIAS_CONVERSION",
     "_format_precision_config",
+    "_init_optimizers_and_lr_schedulers",
     "_validate_device_index_selection",
     "attached_trainer",
     "created_deepspeed_accelerator",
@@ -107,6 +108,7 @@ COPIED_DEEPSPEED_STRATEGY_METHODS: dict[str, str] = {
     "_initialize_deepspeed_train": "f2a07b4c1db8f7dd",  # the optimizer may come from the config or the module
     "_initialize_deepspeed_inference": "cb20fc28d95bf969",  # device_rank for CPU/HPU
     "_setup_model_and_optimizer": "68c0cc65d009288f",  # device_rank for CPU/HPU
+    "_init_optimizers": "88dffe1d22e2a2fd",  # errors that say what to return; Habana's fused optimizers
 }
 
 

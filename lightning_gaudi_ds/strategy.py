@@ -49,6 +49,7 @@ from lightning_gaudi_ds import checkpoint as ckpt
 from lightning_gaudi_ds import hf, hpu
 from lightning_gaudi_ds._compat import (
     _PATH,
+    _init_optimizers_and_lr_schedulers,
     _StrategyRegistry,
     attached_trainer,
     give_bf16_optimizer_zero_grad,
@@ -421,8 +422,10 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def _init_optimizers(self) -> tuple[Optimizer, LRSchedulerConfig | None]:
-        # Lightning's, then the check for Habana's fused optimizers.
-        optimizer, scheduler_config = super()._init_optimizers()
+        # A copy of Lightning 2.6.6's DeepSpeedStrategy._init_optimizers, with an error that names what was returned
+        # and the check for Habana's fused optimizers.
+        assert self.lightning_module is not None
+        optimizer, scheduler_config = train.single_optimizer(*_init_optimizers_and_lr_schedulers(self.lightning_module))
         offload = isinstance(self.config, dict) and offloads_optimizer(self.config)
         problem = hpu.fused_optimizer_problem(optimizer, offload)
         if problem:

@@ -329,10 +329,18 @@ def test_activation_checkpointing_settings_are_all_forwarded_to_deepspeed() -> N
     strategy = HPUDeepSpeedStrategy(partition_activations=True, cpu_checkpointing=True,
                                     contiguous_memory_optimization=True, synchronize_checkpoint_boundary=True,
                                     number_checkpoints=3)
+    from deepspeed.runtime.activation_checkpointing.config import DeepSpeedActivationCheckpointingConfig
+
     with mock.patch.object(deepspeed.checkpointing, "configure") as configure:
         strategy._set_deepspeed_activation_checkpointing()
-    configure.assert_called_once_with(mpu_=None, partition_activations=True, contiguous_checkpointing=True,
-                                      num_checkpoints=3, checkpoint_in_cpu=True, synchronize=True, profile=None)
+    configure.assert_called_once()
+    assert configure.call_args.args == (None,) and set(configure.call_args.kwargs) == {"deepspeed_config"}
+    passed = configure.call_args.kwargs["deepspeed_config"]
+    assert passed == strategy.config and passed is not strategy.config  # a copy: DeepSpeed 0.16 pops keys
+    read = DeepSpeedActivationCheckpointingConfig(passed)  # what configure() reads from the config it is given
+    assert (read.partition_activations, read.contiguous_memory_optimization, read.number_checkpoints,
+            read.cpu_checkpointing, read.synchronize_checkpoint_boundary, read.profile) == (True, True, 3, True, True,
+                                                                                            False)
 
 
 # ---------------------------------------------------------------------------- ZeRO-3 parameters after fit

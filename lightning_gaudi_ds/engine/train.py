@@ -118,6 +118,20 @@ def optimizer_sources(
     return client, scheduler_config
 
 
+def single_optimizer(
+    optimizers: list[Optimizer], schedulers: list[LRSchedulerConfig]
+) -> tuple[Optimizer, LRSchedulerConfig | None]:
+    """The one optimizer and at most one scheduler DeepSpeed takes, from what ``configure_optimizers`` returned."""
+    if len(optimizers) != 1 or len(schedulers) > 1:
+        names = [type(o).__name__ for o in optimizers]
+        raise ConfigError(
+            f"`configure_optimizers` returned {len(optimizers)} optimizers {names} and {len(schedulers)}"
+            " schedulers; DeepSpeed takes exactly one optimizer and at most one scheduler. Return a single"
+            " optimizer (use parameter groups for different settings)."
+        )
+    return optimizers[0], schedulers[0] if schedulers else None
+
+
 # Warned after fit under ZeRO-3 when the module holds its rank's partitions only.
 PARTITIONED_AFTER_FIT = (
     "ZeRO-3: after fit, the module's parameters are this rank's partitions, so `model.state_dict()`"
