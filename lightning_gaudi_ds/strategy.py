@@ -6,9 +6,9 @@ Lightning's hooks, which gather facts from the Trainer and delegate: the DeepSpe
 surrounds each engine call to :mod:`lightning_gaudi_ds.engine.step`, what the device needs around the engine (Gaudi
 execution mode, compile, graph breaks) to :mod:`lightning_gaudi_ds.engine.device`, ``stage="auto"`` to
 :mod:`lightning_gaudi_ds.planning.auto`, checkpoints to :mod:`lightning_gaudi_ds.checkpoint`, JIT-built ops to
-:mod:`lightning_gaudi_ds.jit_ops`. Five methods remain copies of Lightning's with a change (``setup_environment``,
+:mod:`lightning_gaudi_ds.jit_ops`. Six methods remain copies of Lightning's with a change (``setup_environment``,
 ``setup_distributed``, ``_initialize_deepspeed_train``, ``_initialize_deepspeed_inference``,
-``_setup_model_and_optimizer``), each hash-guarded in :mod:`lightning_gaudi_ds._compat`
+``_setup_model_and_optimizer``, ``_init_optimizers``), each hash-guarded in :mod:`lightning_gaudi_ds._compat`
 (``COPIED_DEEPSPEED_STRATEGY_METHODS``). Everything else (precision plugin, checkpointing, ZeRO-3 ``zero.Init``,
 optimizer wiring) is Lightning's own ``DeepSpeedStrategy``.
 

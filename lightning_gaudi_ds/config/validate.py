@@ -1,5 +1,7 @@
-"""Strategy arguments and Trainer flags that DeepSpeed cannot honour, refused before any process starts; from plain
-values (the strategy gathers them), as the exception types Lightning raises in the same situation."""
+"""Strategy arguments and Trainer flags that DeepSpeed cannot honour, refused before any process starts: in the
+strategy's ``__init__`` (:func:`check_arguments`), in the Trainer's constructor (:func:`check_before_launch`) and at
+setup (:func:`check_trainer_flags`); from plain values (the strategy gathers them), as the exception types
+Lightning raises in the same situation."""
 
 from __future__ import annotations
 
