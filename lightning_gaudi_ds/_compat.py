@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR_ALIAS_CONVERSION
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.strategies.deepspeed import _format_precision_config, _validate_device_index_selection
 from lightning.fabric.utilities.types import _PATH
@@ -39,6 +40,7 @@ __all__ = [
     "TorchDispatchMode",
     "_MockOptimizer",
     "_StrategyRegistry",
+    "_PRECISION_INPUT_STR_ALIAS_CONVERSION",
     "_format_precision_config",
     "_init_optimizers_and_lr_schedulers",
     "_validate_device_index_selection",
@@ -110,7 +112,6 @@ COPIED_DEEPSPEED_STRATEGY_METHODS: dict[str, str] = {
     "_initialize_deepspeed_inference": "cb20fc28d95bf969",  # device_rank for CPU/HPU
     "_setup_model_and_optimizer": "68c0cc65d009288f",  # device_rank for CPU/HPU
     "_init_optimizers": "88dffe1d22e2a2fd",  # errors that say what to return; Habana's fused optimizers
-    "_set_deepspeed_activation_checkpointing": "4f4643f974fe2d7e",  # number of checkpoints, synchronize
 }
 
 

@@ -19,11 +19,12 @@ from typing import Any
 from lightning.pytorch.cli import LightningCLI as _LightningCLI
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
+from lightning_gaudi_ds._compat import _PRECISION_INPUT_STR_ALIAS_CONVERSION
 from lightning_gaudi_ds.devices import ALL_PRECISIONS, DEVICES
 from lightning_gaudi_ds.strategy import _REGISTERED, HPUDeepSpeedStrategy
 
-# Lightning's shorthands (lightning.fabric.connector._convert_precision_to_unified_args)
-_PRECISION_ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
+# Lightning's shorthands ("16" -> "16-mixed", ...), as its connector converts them
+_PRECISION_ALIASES: Mapping[str, str] = _PRECISION_INPUT_STR_ALIAS_CONVERSION
 OWN_NAMES = tuple(name for name, _, _ in _REGISTERED)
 
 

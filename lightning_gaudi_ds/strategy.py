@@ -1,11 +1,16 @@
 """``HPUDeepSpeedStrategy``: Lightning's DeepSpeed strategy made device-neutral (HPU, CUDA, CPU).
 
-Only Lightning's hooks live here; they gather facts from the Trainer and delegate: the DeepSpeed config to
-:mod:`lightning_gaudi_ds.config`, the optimizer policy to :mod:`lightning_gaudi_ds.engine`, what the device needs
-around the engine (Gaudi execution mode, compile, graph breaks) to :mod:`lightning_gaudi_ds.engine.device`,
-``stage="auto"`` to :mod:`lightning_gaudi_ds.planning.auto`, checkpoints to :mod:`lightning_gaudi_ds.checkpoint`,
-JIT-built ops to :mod:`lightning_gaudi_ds.jit_ops`. Everything else (precision plugin, checkpointing, ZeRO-3
-``zero.Init``, optimizer wiring) is Lightning's own ``DeepSpeedStrategy``.
+Lightning's hooks, which gather facts from the Trainer and delegate: the DeepSpeed config and its resolution to
+:class:`lightning_gaudi_ds.config.StrategyConfig`, argument and pre-launch checks to
+:mod:`lightning_gaudi_ds.config.validate`, the optimizer policy to :mod:`lightning_gaudi_ds.engine.train`, what
+surrounds each engine call to :mod:`lightning_gaudi_ds.engine.step`, what the device needs around the engine (Gaudi
+execution mode, compile, graph breaks) to :mod:`lightning_gaudi_ds.engine.device`, ``stage="auto"`` to
+:mod:`lightning_gaudi_ds.planning.auto`, checkpoints to :mod:`lightning_gaudi_ds.checkpoint`, JIT-built ops to
+:mod:`lightning_gaudi_ds.jit_ops`. Six methods remain copies of Lightning's with a change (``setup_environment``,
+``setup_distributed``, ``_initialize_deepspeed_train``, ``_initialize_deepspeed_inference``,
+``_setup_model_and_optimizer``, ``_init_optimizers``), each hash-guarded in :mod:`lightning_gaudi_ds._compat`
+(``COPIED_DEEPSPEED_STRATEGY_METHODS``). Everything else (precision plugin, checkpointing, ZeRO-3 ``zero.Init``,
+optimizer wiring) is Lightning's own ``DeepSpeedStrategy``.
 
 DeepSpeed itself is imported inside the methods that use it: importing it picks DeepSpeed's global accelerator by
 auto-detection (and logs it), which must wait until ``setup_environment`` has chosen the Trainer's device; it
@@ -33,8 +38,9 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, Strateg
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.types import LRSchedulerConfig
+from lightning.pytorch.utilities.types import STEP_OUTPUT, LRSchedulerConfig
 from torch import Tensor
+from torch.distributed import ReduceOp
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -43,54 +49,37 @@ from lightning_gaudi_ds import checkpoint as ckpt
 from lightning_gaudi_ds import hf, hpu
 from lightning_gaudi_ds._compat import (
     _PATH,
-    _format_precision_config,
     _init_optimizers_and_lr_schedulers,
     _StrategyRegistry,
-    _validate_device_index_selection,
     attached_trainer,
     give_bf16_optimizer_zero_grad,
     reset_zero3_trace_at_outer_forward_only,
     set_deepspeed_accelerator,
     start_children_with,
-    train_dataloaders,
     weights_only_dropped_by_lightning,
 )
 from lightning_gaudi_ds.config import (
-    AutoContext,
     ConfigError,
-    ConfigResolver,
-    check_activation_checkpointing,
+    StrategyConfig,
     explicit_arguments,
-    hidden_size,
     load_config,
-    mark_model_buckets,
     offloads_optimizer,
     publish_resolved,
-    shared_batch_size,
 )
 from lightning_gaudi_ds.config.validate import (
-    check_argument_config,
-    check_offload,
-    check_remote_device,
+    check_arguments,
+    check_before_launch,
+    check_device_indices,
     check_trainer_flags,
 )
-from lightning_gaudi_ds.devices import (
-    DeviceSpec,
-    device_spec,
-    hpu_available,
-    validate_precision,
-)
+from lightning_gaudi_ds.devices import DeviceSpec, device_spec
 from lightning_gaudi_ds.engine import checkpointing, inference, shutdown, train
 from lightning_gaudi_ds.engine.device import DeviceRuntime, hccl_reduce_input
+from lightning_gaudi_ds.engine.step import step, third_party_deprecations_silenced
 from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV, prepare_startup
-from lightning_gaudi_ds.launch.environments import (
-    check_launcher_world_size,
-    check_multi_node_environment,
-    resolve_environment,
-)
+from lightning_gaudi_ds.launch.environments import check_launcher_world_size, resolve_environment
 from lightning_gaudi_ds.launch.rendezvous import bounded_rendezvous, rendezvous_timeout, waiting_message
-from lightning_gaudi_ds.planning import auto
-from lightning_gaudi_ds.planning.auto import AUTO, AutoStage
+from lightning_gaudi_ds.planning.auto import AUTO
 
 if TYPE_CHECKING:
     import deepspeed
@@ -182,49 +171,23 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         zero3_leaf_modules: Sequence[type[Module] | str] | None = None,
         **kwargs: Any,
     ) -> None:
-        if hpu_mode not in (None, "eager", "lazy"):
-            raise ConfigError(f"`HPUDeepSpeedStrategy(hpu_mode={hpu_mode!r})` is not a Gaudi execution mode. Use"
-                             " 'eager' (with torch.compile, Habana's default) or 'lazy' (the legacy mark_step mode).")
-        if torch_compile not in (None, True, False):
-            raise ConfigError(f"`HPUDeepSpeedStrategy(torch_compile={torch_compile!r})`: pass True, False or None"
-                             " (None: on for HPUs in eager mode, off elsewhere).")
-        if isinstance(stage, bool) or stage not in (0, 1, 2, 3, AUTO):
-            raise ConfigError(
-                f"`HPUDeepSpeedStrategy(stage={stage!r})` is not a ZeRO stage. Allowed: 0, 1, 2, 3"
-                " (0: no sharding, 1: optimizer states, 2: + gradients, 3: + parameters) or 'auto' (the fastest"
-                " that fits, chosen at setup)."
-            )
-        for name, flag in (("offload_optimizer", offload_optimizer), ("offload_parameters", offload_parameters),
-                           ("measure_activations", measure_activations)):
-            if not isinstance(flag, bool):  # the string "false" would count as true
-                raise ConfigError(f"`HPUDeepSpeedStrategy({name}={flag!r})` is not a boolean; pass True or False.")
-        if number_checkpoints is not None and (isinstance(number_checkpoints, bool)
-                                               or not isinstance(number_checkpoints, int) or number_checkpoints < 1):
-            raise ConfigError(
-                f"`HPUDeepSpeedStrategy(number_checkpoints={number_checkpoints!r})`: pass the number of"
-                " deepspeed.checkpointing.checkpoint calls in one forward pass, a whole number >= 1, or None."
-            )
-        check_remote_device(remote_device)
-        self._auto: AutoStage | None = auto.from_strategy_arguments(
-            stage, device_memory, measure_activations, offload_optimizer=offload_optimizer,
-            offload_parameters=offload_parameters,
+        auto_stage = check_arguments(
+            stage=stage, hpu_mode=hpu_mode, torch_compile=torch_compile, offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters, measure_activations=measure_activations,
+            number_checkpoints=number_checkpoints, remote_device=remote_device, device_memory=device_memory,
+            config=config,
         )
-        if offload_parameters and stage != 3 and config is None:
-            raise ConfigError(
-                f"`HPUDeepSpeedStrategy(stage={stage}, offload_parameters=True)`: parameter offload needs ZeRO"
-                " stage 3. Use stage=3, or offload_optimizer=True alone for stages 1-2."
-            )
         arguments = dict(
             stage=stage, accelerator=accelerator, config=config, offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters, remote_device=remote_device, nvme_path=nvme_path,
             process_group_backend=process_group_backend, logging_level=logging_level, **kwargs,
         )
         explicit = explicit_arguments(type(self), {**arguments, "number_checkpoints": number_checkpoints})
-        if self._auto is not None:  # a placeholder until setup: Lightning builds its default config with it
+        if auto_stage is not None:  # a placeholder until setup: Lightning builds its default config with it
             arguments["stage"] = 2
             explicit.pop("stage")
         # Created before Lightning's __init__, which loads the config through _load_config.
-        self._resolver = ConfigResolver(explicit)
+        self._resolver = StrategyConfig(explicit, auto_stage)
         self._inference_config: dict[str, Any] = {}  # the inference keys of `config`, set by _load_config
         # Each argument by name and `**kwargs` as such: jsonargparse (LightningCLI) follows `**kwargs` into
         # DeepSpeedStrategy's signature only when it is passed on unchanged.
@@ -234,24 +197,17 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             process_group_backend=process_group_backend, logging_level=logging_level, **kwargs,
         )
         assert isinstance(self.config, dict)
-        if self._resolver.source is None:  # Lightning's config from the arguments: checked as a user's config is
-            check_argument_config(self.config)
-        if self._auto is not None:
-            auto.mark_pending(self.config, config is not None, self._resolver.source)
-        assert isinstance(self.config, dict)
-        check_offload(self.config, explicit, offload_parameters, self._resolver.source)
+        self._resolver.adopt(self.config, user_config=config is not None, offload_parameters=offload_parameters)
         if number_checkpoints is not None:
-            assert isinstance(self.config, dict)
             checkpointing.set_number_checkpoints(self.config, number_checkpoints)
         self._runtime = DeviceRuntime(requested_mode=hpu_mode, requested_compile=torch_compile)
-        self.chosen_configuration: dict[str, Any] | None = None  # stage="auto": what setup chose
         self._inference = inference.settings_from(
             dict(tensor_parallel=tensor_parallel, dtype=dtype, replace_with_kernel_inject=replace_with_kernel_inject,
                  injection_policy=injection_policy, replace_method=replace_method, enable_cuda_graph=enable_cuda_graph),
             self._inference_config,
         )
         if self._inference is not None:
-            zero_args = {**self._resolver.explicit_args, **({"stage": AUTO} if self._auto is not None else {})}
+            zero_args = {**self._resolver.explicit_args, **({"stage": AUTO} if auto_stage is not None else {})}
             inference.check_zero_options(self._inference, zero_args, self.config)
         self._inference_dtype: torch.dtype | None = None
         self._leaf_modules = hf.leaf_module_classes(zero3_leaf_modules)
@@ -276,27 +232,17 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     def _configure_launcher(self) -> None:
         # Called by the Trainer's constructor once accelerator and precision are known: the earliest point
         # at which a device/precision mismatch can be reported, before any process is started.
-        assert self.parallel_devices is not None
-        validate_precision(self.precision_plugin.precision, self.parallel_devices[0])
+        assert self.parallel_devices is not None and isinstance(self.config, dict)
+        check_before_launch(
+            devices=self.parallel_devices, precision=self.precision_plugin.precision, num_nodes=self.num_nodes,
+            cluster_environment=self.cluster_environment, auto_stage=self._resolver.auto, config=self.config,
+            config_source=self._resolver.source,
+        )
         if self._inference is not None:
             world = len(self.parallel_devices) * self.num_nodes
             inference.check_world(self._inference, world, self.parallel_devices[0].type)
             self._inference_dtype = inference.resolve_dtype(self._inference, self.precision_plugin.precision)
-        if self._auto is not None:
-            auto.check_device(self._auto, self.parallel_devices[0].type)
-        if self.num_nodes > 1:
-            rendezvous_timeout()  # a bad LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT is refused before any process starts
-            check_multi_node_environment(self.cluster_environment, self.num_nodes)
         self._runtime.at_trainer(self.parallel_devices[0].type)
-        self._validate_device_indices()
-        assert isinstance(self.config, dict)
-        check_activation_checkpointing(self.config, self._resolver.source or "built from HPUDeepSpeedStrategy's"
-                                       " arguments")
-        if self.parallel_devices[0].type == "cpu" and hpu_available():
-            rank_zero_warn(
-                "A Gaudi device is visible but the Trainer selected CPU (Lightning's accelerator='auto' does not"
-                " look for HPUs). Pass `Trainer(accelerator='hpu')` to train on Gaudi."
-            )
         super()._configure_launcher()
         mode = self._runtime.mode
         if mode is not None:  # HPU: the ranks Lightning's launcher starts get this mode and the Gaudi defaults
@@ -322,7 +268,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         # without an index (CPU, HPU), plus the JIT-op start-up: on every rank, before DeepSpeed builds anything,
         # clear stale build locks and decide whether the CPU shm comm op is loaded (else plain torch.distributed
         # collectives).
-        self._validate_device_indices()
+        assert self.parallel_devices is not None
+        check_device_indices(self.parallel_devices)
         reset_seed()
         self.set_world_ranks()
         # Tensor parallelism decides whether DeepSpeed's CPU shm all-reduce is loaded (training leaves it off).
@@ -353,13 +300,6 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
                            announce=self.local_rank == 0 and self.num_nodes > 1)
         shutdown.end_at_exit(started)  # ours ends at exit, its C++ threads joined before finalization
 
-    def _validate_device_indices(self) -> None:
-        # Lightning's check, wherever devices have an index (CUDA; HPU and CPU devices have none): DeepSpeed takes
-        # the device index as the process's local rank, so `devices=[1]` or `[0, 2]` would fail inside it.
-        assert self.parallel_devices is not None
-        if all(device.index is not None for device in self.parallel_devices):
-            _validate_device_index_selection(self.parallel_devices)
-
     @override
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or self.device_spec.backend
@@ -382,7 +322,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._runtime.before_engine(self.lightning_module, self.root_device)
-        with _third_party_deprecations_silenced():
+        with third_party_deprecations_silenced():
             super().setup(trainer)
 
     @override
@@ -470,7 +410,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def _set_deepspeed_activation_checkpointing(self) -> None:
-        # Lightning's version drops the number of checkpoints and synchronize_checkpoint_boundary.
+        # Lightning's version drops the number of checkpoints and synchronize_checkpoint_boundary: DeepSpeed reads
+        # the whole section itself.
         assert isinstance(self.config, dict)
         checkpointing.configure(self.config)
 
@@ -493,51 +434,44 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             raise ConfigError(problem)
         return optimizer, scheduler_config
 
-    # ------------------------------------------------------------------- HPU lazy-mode graph breaks
+    # ------------------------------------------ engine calls: HPU lazy-mode graph breaks (engine.step)
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        with _third_party_deprecations_silenced():
-            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-        self._graph_break()
-        return loss
+        with step(self._runtime):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with _third_party_deprecations_silenced():
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with step(self._runtime, graph_break=False):
             return super().training_step(*args, **kwargs)
 
     @override
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        with _third_party_deprecations_silenced():
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._graph_break()
-        return output
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: pl.LightningModule | Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        with step(self._runtime):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().validation_step, *args, **kwargs)
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with step(self._runtime, evaluation_config=self.config):
+            return super().validation_step(*args, **kwargs)
 
     @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().test_step, *args, **kwargs)
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with step(self._runtime, evaluation_config=self.config):
+            return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().predict_step, *args, **kwargs)
-
-    def _evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        self._graph_break()
-        with _third_party_deprecations_silenced():
-            output = step(*args, **kwargs)
-        self._graph_break()
-        checkpointing.reset_after_forward(self.config)
-        return output
-
-    def _graph_break(self) -> None:
-        self._runtime.graph_break()
+        with step(self._runtime, evaluation_config=self.config):
+            return super().predict_step(*args, **kwargs)
 
     @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor:
         if self._get_process_group_backend() != "hccl" or not isinstance(tensor, Tensor):
             return super().reduce(tensor, group, reduce_op)
         tensor, mean = hccl_reduce_input(tensor, self.root_device, reduce_op)
@@ -551,14 +485,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         super().on_train_end()
         module = self.lightning_module
         if self.zero_stage_3 and module is not None and any(_is_partition(p) for p in module.parameters()):
-            rank_zero_warn(
-                "ZeRO-3: after fit, the module's parameters are this rank's partitions, so `model.state_dict()`"
-                " returns empty tensors and `torch.save(model.state_dict(), ...)` saves nothing useful."
-                " For the full weights, call `trainer.save_checkpoint(path)` on every rank, then"
-                " `lightning-gaudi-ds convert path model.pt` (one fp32 file); or gather them in memory on every rank:"
-                " `with deepspeed.zero.GatheredParameters(list(model.parameters())): state = {k: v.clone() for k, v"
-                " in model.state_dict().items()}`. trainer.validate/test/predict(model) use the partitions as they are."
-            )
+            rank_zero_warn(train.PARTITIONED_AFTER_FIT)
 
     @override
     def teardown(self) -> None:
@@ -566,86 +493,27 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         self._runtime.teardown()
 
     # ------------------------------------------------------ DeepSpeed JSON config: load, "auto", contradictions
-    # Lightning's __init__ calls _load_config; setup (and ZeRO-3's model_sharded_context) call _init_config_if_needed
-    # -> _format_config. The strategy only gathers the facts (train loader batch size, Trainer flags, module
-    # hparams, model hidden size); self._resolver (config.ConfigResolver) holds the config's state.
+    # Lightning's __init__ calls _load_config; setup (and ZeRO-3's model_sharded_context) call _init_config_if_needed.
+    # self._resolver (config.StrategyConfig) owns the config's state and resolution; these hooks delegate to it.
     @override
     def _load_config(self, config: _PATH | dict[str, Any] | None) -> dict[str, Any] | None:
         # The inference engine's keys (tensor_parallel, dtype, ...) are not DeepSpeed training-config keys.
         training, self._inference_config = inference.split_config(load_config(config)[0])
-        loaded = self._resolver.load(training if self._inference_config else config)
-        if loaded is not None:
-            rank_zero_info(f"DeepSpeed config: {self._resolver.source}")
-        return loaded
+        return self._resolver.load(training if self._inference_config else config)
 
     @override
     def _init_config_if_needed(self) -> None:
-        self._choose_configuration()
-        # Lightning formats once; resolve again when a fit follows validate/test/predict or comes from a new Trainer,
-        # and when ZeRO-3's model_sharded_context resolved before configure_model built any parameter (bucket
-        # sizes come from the model).
-        trainer = attached_trainer(self.lightning_module)
-        has_params = self.lightning_module is not None and any(True for _ in self.lightning_module.parameters())
-        facts = (id(trainer), trainer.state.fn if trainer is not None else None, has_params)
-        if not self._config_initialized or facts != self._resolver.resolved_for:
-            self._format_config()
-            self._config_initialized = True
-            self._resolver.resolved_for = facts
+        self.config = self._resolver.ensure_resolved(self)
+        self._config_initialized = True
 
     @override
     def _format_config(self) -> None:
-        assert isinstance(self.config, dict)
-        module = self.lightning_module
-        trainer = attached_trainer(module)
-        fit = trainer if trainer is not None and trainer.state.fn == TrainerFn.FITTING else None
-        hidden = hidden_size(module) if module is not None else None
-        config = self._resolver.start(self.config, hidden)
-        _format_precision_config(  # Lightning's fp16 block (loss-scale arguments) where the config has none
-            config, self.precision_plugin.precision, self.loss_scale, self.loss_scale_window, self.min_loss_scale,
-            self.initial_scale_power, self.hysteresis,
-        )
-        spec = self.device_spec if self.parallel_devices else None
-        total = None
-        if fit is not None and "scheduler" in config:
-            steps = fit.estimated_stepping_batches
-            total = int(steps) if steps != float("inf") else None
-        self.config = self._resolver.resolve(config, AutoContext(
-            world_size=self.world_size,
-            accumulate_grad_batches=trainer.accumulate_grad_batches if trainer is not None else 1,
-            micro_batch_size=shared_batch_size(train_dataloaders(fit)) if fit is not None else None,
-            gradient_clip_val=trainer.gradient_clip_val if trainer is not None else None,
-            precision=self.precision_plugin.precision,
-            hparams=dict(getattr(module, "hparams", None) or {}),
-            total_steps=total,
-            hidden_size=hidden,
-            fitting=fit is not None,
-            device_type=spec.device_type if spec is not None else None,
-            zero_defaults=spec.zero_defaults if spec is not None else {},
-        ))
+        self.config = self._resolver.resolve_for(self)
 
-    def _choose_configuration(self) -> None:
-        """stage='auto': plan for the real model and devices, agree on rank 0's choice, write it into the config.
-
-        Runs before the config's first resolution: in ZeRO-3's ``model_sharded_context`` before ``configure_model``
-        (the parameters are counted on a meta-device copy), else at ``setup``.
-        """
-        if self._auto is None or not auto.pending(self.config) or self.lightning_module is None:
-            return
-        assert self.parallel_devices is not None and isinstance(self.config, dict)
-        decision = auto.decide(
-            self.lightning_module, self._auto, device=self.root_device, devices=len(self.parallel_devices),
-            nodes=self.num_nodes, precision=self.precision_plugin.precision,
-            zero_config=lambda: self._config_as_resolved().get("zero_optimization"),
-        ) if self.is_global_zero else ("", None)
-        decision = self.broadcast(decision, src=0) if self.world_size > 1 else decision
-        self.chosen_configuration = auto.adopt(decision, self.config)
-
-    def _config_as_resolved(self) -> dict[str, Any]:
-        """The config with the bucket sizes the resolver will give it (from the model unless set)."""
-        assert isinstance(self.config, dict)
-        if self._resolver.source is None:
-            return mark_model_buckets(self.config, self._resolver.explicit_args)
-        return self.config
+    @property
+    def chosen_configuration(self) -> dict[str, Any] | None:
+        """``stage="auto"``: the configuration setup chose (stage, offload), None before or for a fixed stage."""
+        return self._resolver.chosen
 
     @override
     def on_train_start(self) -> None:
@@ -701,10 +569,6 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     # ------------------------------------------ tensor-parallel inference (lightning_gaudi_ds.engine.inference)
     @property
-    def _tensor_parallel(self) -> bool:
-        return self._inference is not None and self._inference.tensor_parallel
-
-    @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         # The inference engine splits the weights it is given: load them whole before it is built.
@@ -752,15 +616,6 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         for name, description, kwargs in _REGISTERED:
             strategy_registry.register(name, cls, description=description, override=True, **kwargs)
-
-
-@contextlib.contextmanager
-def _third_party_deprecations_silenced() -> Iterator[None]:
-    """Inside the strategy's own calls only: DeepSpeed's ZeRO collectives call torch's deprecated
-    ``all_gather_into_tensor`` (a FutureWarning per rank on every run), which the user can do nothing about."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning)
-        yield
 
 
 def _is_partition(param: Tensor) -> bool:

@@ -38,9 +38,11 @@ def _attr(module: str, name: str, library: str, used_by: str) -> Any:
     ("module", "name", "used_by"),
     [
         ("lightning.fabric.strategies", "_StrategyRegistry", "HPUDeepSpeedStrategy.register_strategies"),
+        ("lightning.fabric.plugins.precision.precision", "_PRECISION_INPUT_STR_ALIAS_CONVERSION",
+         "lightning_cli.check_trainer_arguments (precision shorthands such as '16')"),
         ("lightning.fabric.utilities.types", "_PATH", "HPUDeepSpeedStrategy's path arguments (config, checkpoints)"),
         ("lightning.fabric.strategies.deepspeed", "_format_precision_config",
-         "HPUDeepSpeedStrategy._format_config (Lightning's fp16 block)"),
+         "config.StrategyConfig.resolve_for (Lightning's fp16 block)"),
         ("lightning.pytorch.core.optimizer", "_MockOptimizer",
          "engine.train.optimizer_sources (configure_optimizers returned None)"),
         ("lightning.pytorch.core.optimizer", "_init_optimizers_and_lr_schedulers",
@@ -48,7 +50,7 @@ def _attr(module: str, name: str, library: str, used_by: str) -> Any:
         ("lightning.pytorch.strategies.deepspeed", "remove_module_hooks",
          "engine.inference.init_zero_engine"),
         ("lightning.fabric.strategies.deepspeed", "_validate_device_index_selection",
-         "HPUDeepSpeedStrategy._validate_device_indices (CUDA devices=[1] refused)"),
+         "config.validate.check_device_indices (CUDA devices=[1] refused)"),
     ],
 )
 def test_lightning_private_names(module: str, name: str, used_by: str) -> None:
@@ -62,7 +64,7 @@ def test_format_precision_config_signature() -> None:
     expected = ["config", "precision", "loss_scale", "loss_scale_window", "min_loss_scale", "initial_scale_power",
                 "hysteresis"]
     assert params == expected, (
-        f"{LIGHTNING} changed _format_precision_config's parameters to {params}; HPUDeepSpeedStrategy._format_config"
+        f"{LIGHTNING} changed _format_precision_config's parameters to {params}; config.StrategyConfig.resolve_for"
         f" passes them positionally as {expected}"
     )
     config: dict[str, Any] = {}
@@ -92,9 +94,7 @@ def test_deepspeed_strategy_attributes_exist() -> None:
     assert not missing, f"{LIGHTNING} removed DeepSpeedStrategy attribute(s) {missing}, used by HPUDeepSpeedStrategy"
 
 
-@pytest.mark.parametrize("name", ["setup_environment", "setup_distributed", "_initialize_deepspeed_train",
-                                  "_initialize_deepspeed_inference", "_setup_model_and_optimizer", "_init_optimizers",
-                                  "_set_deepspeed_activation_checkpointing"])
+@pytest.mark.parametrize("name", sorted(_compat.COPIED_DEEPSPEED_STRATEGY_METHODS))
 def test_copied_lightning_methods_unchanged(name: str) -> None:
     from lightning.pytorch.strategies import DeepSpeedStrategy
 

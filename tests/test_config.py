@@ -623,3 +623,28 @@ class TestCpuAdam:
             to_cpu_adam(torch.optim.AdamW(nn.Linear(2, 2).parameters(), amsgrad=True))
         with pytest.raises(TypeError, match="SGD cannot be converted"):
             to_cpu_adam(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+
+
+# ------------------------------------------------------------------ re-resolution for a new Trainer
+def test_config_is_resolved_again_for_a_new_trainer_even_when_ids_are_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An id is reused once its object is collected: resolution must be keyed on the Trainer itself. With every id
+    made equal in the strategy's module (as a reused one would be), the second Trainer still gets its own values."""
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    import lightning_gaudi_ds.strategy as strategy_module
+
+    monkeypatch.setattr(strategy_module, "id", lambda obj: 0, raising=False)
+    strategy = _strategy(stage=1)
+    model = BoringModel()
+    for accumulate in (1, 3):
+        strategy.accelerator = None  # set by the first Trainer; Lightning refuses it set twice
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, accumulate_grad_batches=accumulate,
+                            logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=False)
+        model.trainer = trainer
+        strategy.connect(model)
+        strategy._init_config_if_needed()
+        assert strategy.config["gradient_accumulation_steps"] == accumulate
+        strategy._init_config_if_needed()  # the same Trainer: nothing to do again
+        assert strategy.config["gradient_accumulation_steps"] == accumulate

@@ -32,6 +32,7 @@ from torch import nn
 import lightning_gaudi_ds
 from lightning_gaudi_ds import ConfigError, HPUDeepSpeedStrategy
 from lightning_gaudi_ds.config import AutoContext, ConfigResolver, resolve_config
+from lightning_gaudi_ds.config.validate import check_device_indices
 from tests.procs import JOBS, run_job
 
 LIGHTNING_STYLE_CONFIG = {  # the shape of the config Lightning's tests use
@@ -280,7 +281,7 @@ def test_cuda_devices_in_local_rank_order_and_devices_without_index_pass(monkeyp
     trainer = _trainer(accelerator="cuda", devices=2, strategy=HPUDeepSpeedStrategy())
     assert trainer.strategy.parallel_devices == [torch.device("cuda", 0), torch.device("cuda", 1)]
     for devices in ([torch.device("cpu")] * 2, [torch.device("hpu")] * 2):
-        HPUDeepSpeedStrategy(parallel_devices=devices)._validate_device_indices()
+        check_device_indices(devices)
 
 
 # ------------------------------------------------------------------------------ activation checkpointing
@@ -328,10 +329,18 @@ def test_activation_checkpointing_settings_are_all_forwarded_to_deepspeed() -> N
     strategy = HPUDeepSpeedStrategy(partition_activations=True, cpu_checkpointing=True,
                                     contiguous_memory_optimization=True, synchronize_checkpoint_boundary=True,
                                     number_checkpoints=3)
+    from deepspeed.runtime.activation_checkpointing.config import DeepSpeedActivationCheckpointingConfig
+
     with mock.patch.object(deepspeed.checkpointing, "configure") as configure:
         strategy._set_deepspeed_activation_checkpointing()
-    configure.assert_called_once_with(mpu_=None, partition_activations=True, contiguous_checkpointing=True,
-                                      num_checkpoints=3, checkpoint_in_cpu=True, synchronize=True, profile=None)
+    configure.assert_called_once()
+    assert configure.call_args.args == (None,) and set(configure.call_args.kwargs) == {"deepspeed_config"}
+    passed = configure.call_args.kwargs["deepspeed_config"]
+    assert passed == strategy.config and passed is not strategy.config  # a copy: DeepSpeed 0.16 pops keys
+    read = DeepSpeedActivationCheckpointingConfig(passed)  # what configure() reads from the config it is given
+    assert (read.partition_activations, read.contiguous_memory_optimization, read.number_checkpoints,
+            read.cpu_checkpointing, read.synchronize_checkpoint_boundary, read.profile) == (True, True, 3, True, True,
+                                                                                            False)
 
 
 # ---------------------------------------------------------------------------- ZeRO-3 parameters after fit

@@ -5,7 +5,10 @@ or knows the strategy.
 - :mod:`.resolve`: fill every ``"auto"`` from the facts the strategy gathers (:class:`AutoContext`), one function
   per config section; :class:`ConfigResolver` keeps a strategy's config across Trainer calls.
 - :mod:`.sizing`: the model's hidden size and the bucket sizes it implies.
-- :mod:`.validate`: offload arguments against the config, Trainer flags DeepSpeed cannot honour.
+- :mod:`.validate`: the strategy's arguments, offload against the config, Trainer flags DeepSpeed cannot honour,
+  the checks before any process starts.
+- :mod:`.state`: :class:`StrategyConfig`, a strategy's config across Trainer calls (load, ``stage="auto"``,
+  resolution); it reads the facts from the strategy, the only module here that does.
 
 DeepSpeed's config schema is read inside the functions that need it: importing DeepSpeed selects its global
 accelerator, which the strategy does only once the Trainer has chosen the device.
@@ -51,6 +54,7 @@ from lightning_gaudi_ds.config.sizing import (
     mark_model_buckets,
     shared_batch_size,
 )
+from lightning_gaudi_ds.config.state import StrategyConfig
 
 __all__ = [
     "AUTO",
@@ -67,6 +71,7 @@ __all__ = [
     "ConfigNotFoundError",
     "ConfigResolver",
     "Resolved",
+    "StrategyConfig",
     "bucket_hints",
     "bucket_sizes",
     "check_activation_checkpointing",

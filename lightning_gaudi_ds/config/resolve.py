@@ -390,7 +390,6 @@ class ConfigResolver:
     def __init__(self, explicit_args: Mapping[str, Any]) -> None:
         self.explicit_args = dict(explicit_args)
         self.source: str | None = None  # None: no user config; Lightning's default, built from the arguments
-        self.resolved_for: Any = None  # the facts (Trainer, stage, model built) of the last resolution
         self._base: dict[str, Any] | None = None
         self._unpublished: tuple[Resolved, list[str]] | None = None
 

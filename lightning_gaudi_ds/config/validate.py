@@ -1,15 +1,30 @@
-"""Strategy arguments and Trainer flags that DeepSpeed cannot honour, refused before any process starts; from plain
-values (the strategy gathers them), as the exception types Lightning raises in the same situation."""
+"""Strategy arguments and Trainer flags that DeepSpeed cannot honour, refused before any process starts: in the
+strategy's ``__init__`` (:func:`check_arguments`), in the Trainer's constructor (:func:`check_before_launch`) and at
+setup (:func:`check_trainer_flags`); from plain values (the strategy gathers them), as the exception types
+Lightning raises in the same situation."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_gaudi_ds._compat import _validate_device_index_selection
 from lightning_gaudi_ds.config.keys import AUTO, STRATEGY_ARG_KEYS, report
 from lightning_gaudi_ds.config.keys import get as get_key
-from lightning_gaudi_ds.config.load import ConfigError, check_nvme, config_problems
+from lightning_gaudi_ds.config.load import ConfigError, check_activation_checkpointing, check_nvme, config_problems
 from lightning_gaudi_ds.config.resolve import strategy_arg_values
+from lightning_gaudi_ds.devices import hpu_available, validate_precision
+from lightning_gaudi_ds.launch.environments import check_multi_node_environment
+from lightning_gaudi_ds.launch.rendezvous import rendezvous_timeout
+from lightning_gaudi_ds.planning import auto
+
+if TYPE_CHECKING:
+    import torch
+    from lightning.fabric.plugins.environments import ClusterEnvironment
+
+    from lightning_gaudi_ds.planning.auto import AutoStage
 
 
 def check_offload(
@@ -85,4 +100,75 @@ def check_remote_device(remote_device: Any) -> None:
         raise ConfigError(
             f"HPUDeepSpeedStrategy(remote_device={remote_device!r}) is not a device ZeRO-3 can create the parameters"
             " on. Allowed: None (the training device, the default), 'cpu' or 'nvme'."
+        )
+
+
+def check_arguments(
+    *, stage: Any, hpu_mode: Any, torch_compile: Any, offload_optimizer: Any, offload_parameters: Any,
+    measure_activations: Any, number_checkpoints: Any, remote_device: Any, device_memory: Any, config: Any,
+) -> AutoStage | None:
+    """``HPUDeepSpeedStrategy``'s own arguments, refused in its ``__init__`` before anything is built; returns
+    ``stage="auto"``'s arguments (None for a fixed stage)."""
+    if hpu_mode not in (None, "eager", "lazy"):
+        raise ConfigError(f"`HPUDeepSpeedStrategy(hpu_mode={hpu_mode!r})` is not a Gaudi execution mode. Use"
+                          " 'eager' (with torch.compile, Habana's default) or 'lazy' (the legacy mark_step mode).")
+    if torch_compile not in (None, True, False):
+        raise ConfigError(f"`HPUDeepSpeedStrategy(torch_compile={torch_compile!r})`: pass True, False or None"
+                          " (None: on for HPUs in eager mode, off elsewhere).")
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3, AUTO):
+        raise ConfigError(
+            f"`HPUDeepSpeedStrategy(stage={stage!r})` is not a ZeRO stage. Allowed: 0, 1, 2, 3"
+            " (0: no sharding, 1: optimizer states, 2: + gradients, 3: + parameters) or 'auto' (the fastest"
+            " that fits, chosen at setup)."
+        )
+    for name, flag in (("offload_optimizer", offload_optimizer), ("offload_parameters", offload_parameters),
+                       ("measure_activations", measure_activations)):
+        if not isinstance(flag, bool):  # the string "false" would count as true
+            raise ConfigError(f"`HPUDeepSpeedStrategy({name}={flag!r})` is not a boolean; pass True or False.")
+    if number_checkpoints is not None and (isinstance(number_checkpoints, bool)
+                                           or not isinstance(number_checkpoints, int) or number_checkpoints < 1):
+        raise ConfigError(
+            f"`HPUDeepSpeedStrategy(number_checkpoints={number_checkpoints!r})`: pass the number of"
+            " deepspeed.checkpointing.checkpoint calls in one forward pass, a whole number >= 1, or None."
+        )
+    check_remote_device(remote_device)
+    auto_stage = auto.from_strategy_arguments(
+        stage, device_memory, measure_activations, offload_optimizer=offload_optimizer,
+        offload_parameters=offload_parameters,
+    )
+    if offload_parameters and stage != 3 and config is None:
+        raise ConfigError(
+            f"`HPUDeepSpeedStrategy(stage={stage}, offload_parameters=True)`: parameter offload needs ZeRO"
+            " stage 3. Use stage=3, or offload_optimizer=True alone for stages 1-2."
+        )
+    return auto_stage
+
+
+def check_device_indices(devices: Sequence[torch.device]) -> None:
+    """Lightning's check, wherever devices have an index (CUDA; HPU and CPU devices have none): DeepSpeed takes
+    the device index as the process's local rank, so `devices=[1]` or `[0, 2]` would fail inside it."""
+    if all(device.index is not None for device in devices):
+        _validate_device_index_selection(list(devices))
+
+
+def check_before_launch(
+    *, devices: Sequence[torch.device], precision: str, num_nodes: int, cluster_environment: ClusterEnvironment | None,
+    auto_stage: AutoStage | None, config: Mapping[str, Any], config_source: str | None,
+) -> None:
+    """What the Trainer's constructor knows once accelerator and precision are chosen, checked before any process
+    is started: precision on the device, ``stage="auto"``'s device memory, the multi-node environment, CUDA device
+    indices and the config's activation checkpointing; warns when a visible Gaudi goes unused."""
+    device_type = devices[0].type
+    validate_precision(precision, devices[0])
+    if auto_stage is not None:
+        auto.check_device(auto_stage, device_type)
+    if num_nodes > 1:
+        rendezvous_timeout()  # a bad LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT is refused before any process starts
+        check_multi_node_environment(cluster_environment, num_nodes)
+    check_device_indices(devices)
+    check_activation_checkpointing(config, config_source or "built from HPUDeepSpeedStrategy's arguments")
+    if device_type == "cpu" and hpu_available():
+        rank_zero_warn(
+            "A Gaudi device is visible but the Trainer selected CPU (Lightning's accelerator='auto' does not"
+            " look for HPUs). Pass `Trainer(accelerator='hpu')` to train on Gaudi."
         )

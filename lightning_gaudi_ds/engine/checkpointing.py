@@ -7,6 +7,7 @@ must wait until the strategy has chosen the Trainer's device.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from lightning_gaudi_ds.config import ConfigError
@@ -26,22 +27,14 @@ def set_number_checkpoints(config: dict[str, Any], count: int) -> None:
 def configure(config: dict[str, Any]) -> None:
     """``deepspeed.checkpointing.configure`` from the config's section, when it has one.
 
-    Lightning 2.6.6's version drops the number of checkpoints (``contiguous_memory_optimization`` asserts
-    without it) and ``synchronize_checkpoint_boundary``; both are passed here.
+    DeepSpeed reads the whole section itself (Lightning 2.6.6's version passes it key by key and drops the number of
+    checkpoints, which ``contiguous_memory_optimization`` asserts without, and ``synchronize_checkpoint_boundary``).
+    A copy: DeepSpeed 0.16 (Habana's fork) pops keys out of the dict it parses.
     """
     import deepspeed
 
     if config.get("activation_checkpointing"):
-        checkpoint_config = config["activation_checkpointing"]
-        deepspeed.checkpointing.configure(
-            mpu_=None,
-            partition_activations=checkpoint_config.get("partition_activations"),
-            contiguous_checkpointing=checkpoint_config.get("contiguous_memory_optimization"),
-            num_checkpoints=checkpoint_config.get("number_checkpoints"),
-            checkpoint_in_cpu=checkpoint_config.get("cpu_checkpointing"),
-            synchronize=checkpoint_config.get("synchronize_checkpoint_boundary"),
-            profile=checkpoint_config.get("profile"),
-        )
+        deepspeed.checkpointing.configure(None, deepspeed_config=copy.deepcopy(config))
 
 
 def contiguous(config: Any) -> bool:

@@ -132,6 +132,17 @@ def single_optimizer(
     return optimizers[0], schedulers[0] if schedulers else None
 
 
+# Warned after fit under ZeRO-3 when the module holds its rank's partitions only.
+PARTITIONED_AFTER_FIT = (
+    "ZeRO-3: after fit, the module's parameters are this rank's partitions, so `model.state_dict()`"
+    " returns empty tensors and `torch.save(model.state_dict(), ...)` saves nothing useful."
+    " For the full weights, call `trainer.save_checkpoint(path)` on every rank, then"
+    " `lightning-gaudi-ds convert path model.pt` (one fp32 file); or gather them in memory on every rank:"
+    " `with deepspeed.zero.GatheredParameters(list(model.parameters())): state = {k: v.clone() for k, v"
+    " in model.state_dict().items()}`. trainer.validate/test/predict(model) use the partitions as they are."
+)
+
+
 def eval_mode_warning(module: torch.nn.Module) -> str | None:
     """Under ZeRO-3 on a DeepSpeed whose backward asserts training mode (Habana's fork), what to tell the user about
     ``module``'s submodules left in eval mode at the start of training; None when there are none or it is safe."""

@@ -1,0 +1,143 @@
+"""A strategy's DeepSpeed config across its life: loaded in ``__init__``, ``stage="auto"`` chosen at setup, and
+resolved again whenever the facts it depends on change (a new Trainer, a fit after validate, ZeRO-3's second pass
+once ``configure_model`` has built the parameters).
+
+:class:`StrategyConfig` owns that state machine; the strategy holds one and calls it from Lightning's hooks. It reads
+the facts from the strategy (its Trainer, module, precision plugin, devices), never the other way round.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_gaudi_ds._compat import _format_precision_config, attached_trainer, train_dataloaders
+from lightning_gaudi_ds.config.load import check_activation_checkpointing
+from lightning_gaudi_ds.config.resolve import AutoContext, ConfigResolver
+from lightning_gaudi_ds.config.sizing import hidden_size, mark_model_buckets, shared_batch_size
+from lightning_gaudi_ds.config.validate import check_argument_config, check_offload
+from lightning_gaudi_ds.devices import device_spec
+from lightning_gaudi_ds.planning import auto
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from lightning_gaudi_ds.planning.auto import AutoStage
+
+
+class StrategyConfig(ConfigResolver):
+    """The config's state for one strategy: where it came from, the explicit arguments, ``stage="auto"``'s
+    arguments and choice, and what the last resolution was made for.
+
+    ``explicit_args``: the strategy arguments the caller set; ``auto``: ``stage="auto"``'s arguments (None for a
+    fixed stage).
+    """
+
+    def __init__(self, explicit_args: Mapping[str, Any], auto_stage: AutoStage | None) -> None:
+        super().__init__(explicit_args)
+        self.auto = auto_stage
+        self.chosen: dict[str, Any] | None = None  # stage="auto": what setup chose
+        # What the last resolution was made for: the Trainer (weakly: an id is reused after garbage collection),
+        # its TrainerFn and whether the module had parameters yet.
+        self._for: tuple[weakref.ref[pl.Trainer] | None, Any, bool] | None = None
+
+    def load(self, config: Any) -> dict[str, Any] | None:
+        loaded = super().load(config)
+        if loaded is not None:
+            rank_zero_info(f"DeepSpeed config: {self.source}")
+        return loaded
+
+    def adopt(self, config: dict[str, Any], *, user_config: bool, offload_parameters: bool) -> None:
+        """After Lightning's ``__init__`` built or loaded ``config``: check it, and mark ``stage="auto"`` pending."""
+        if self.source is None:  # Lightning's config from the arguments: checked as a user's config is
+            check_argument_config(config)
+        if self.auto is not None:
+            auto.mark_pending(config, user_config, self.source)
+        check_offload(config, self.explicit_args, offload_parameters, self.source)
+
+    def check_activation_checkpointing(self, config: Mapping[str, Any]) -> None:
+        check_activation_checkpointing(config, self.source or "built from HPUDeepSpeedStrategy's arguments")
+
+    def ensure_resolved(self, strategy: DeepSpeedStrategy) -> dict[str, Any]:
+        """``strategy.config``, with ``stage="auto"`` chosen and every ``"auto"`` filled for the Trainer attached now.
+
+        Lightning formats once; this resolves again when a fit follows validate/test/predict or comes from a new
+        Trainer, and when ZeRO-3's ``model_sharded_context`` resolved before ``configure_model`` built any parameter
+        (bucket sizes come from the model).
+        """
+        self.choose(strategy)
+        module = strategy.lightning_module
+        trainer = attached_trainer(module)
+        has_params = module is not None and any(True for _ in module.parameters())
+        fn = trainer.state.fn if trainer is not None else None
+        if self._for is not None:
+            ref, last_fn, last_params = self._for
+            last_trainer = ref() if ref is not None else None
+            if (last_trainer is trainer and (ref is None) == (trainer is None) and last_fn == fn
+                    and last_params == has_params):
+                assert isinstance(strategy.config, dict)
+                return strategy.config
+        config = self.resolve_for(strategy)
+        self._for = (weakref.ref(trainer) if trainer is not None else None, fn, has_params)
+        return config
+
+    def resolve_for(self, strategy: DeepSpeedStrategy) -> dict[str, Any]:
+        """The unresolved config with every ``"auto"`` filled from the strategy's Trainer, module and devices."""
+        assert isinstance(strategy.config, dict)
+        module = strategy.lightning_module
+        trainer = attached_trainer(module)
+        fit = trainer if trainer is not None and trainer.state.fn == TrainerFn.FITTING else None
+        hidden = hidden_size(module) if module is not None else None
+        config = self.start(strategy.config, hidden)
+        precision = strategy.precision_plugin.precision
+        _format_precision_config(  # Lightning's fp16 block (loss-scale arguments) where the config has none
+            config, precision, strategy.loss_scale, strategy.loss_scale_window, strategy.min_loss_scale,
+            strategy.initial_scale_power, strategy.hysteresis,
+        )
+        spec = device_spec(strategy.root_device) if strategy.parallel_devices else None
+        total = None
+        if fit is not None and "scheduler" in config:
+            steps = fit.estimated_stepping_batches
+            total = int(steps) if steps != float("inf") else None
+        return self.resolve(config, AutoContext(
+            world_size=strategy.world_size,
+            accumulate_grad_batches=trainer.accumulate_grad_batches if trainer is not None else 1,
+            micro_batch_size=shared_batch_size(train_dataloaders(fit)) if fit is not None else None,
+            gradient_clip_val=trainer.gradient_clip_val if trainer is not None else None,
+            precision=precision,
+            hparams=dict(getattr(module, "hparams", None) or {}),
+            total_steps=total,
+            hidden_size=hidden,
+            fitting=fit is not None,
+            device_type=spec.device_type if spec is not None else None,
+            zero_defaults=spec.zero_defaults if spec is not None else {},
+        ))
+
+    def choose(self, strategy: DeepSpeedStrategy) -> None:
+        """stage='auto': plan for the real model and devices, agree on rank 0's choice, write it into the config.
+
+        Runs before the config's first resolution: in ZeRO-3's ``model_sharded_context`` before ``configure_model``
+        (the parameters are counted on a meta-device copy), else at ``setup``.
+        """
+        config = strategy.config
+        if self.auto is None or not auto.pending(config) or strategy.lightning_module is None:
+            return
+        assert strategy.parallel_devices is not None and isinstance(config, dict)
+        decision = auto.decide(
+            strategy.lightning_module, self.auto, device=strategy.root_device, devices=len(strategy.parallel_devices),
+            nodes=strategy.num_nodes, precision=strategy.precision_plugin.precision,
+            zero_config=lambda: self.as_resolved(config).get("zero_optimization"),
+        ) if strategy.is_global_zero else ("", None)
+        decision = strategy.broadcast(decision, src=0) if strategy.world_size > 1 else decision
+        self.chosen = auto.adopt(decision, config)
+
+    def as_resolved(self, config: dict[str, Any]) -> dict[str, Any]:
+        """``config`` with the bucket sizes the resolver will give it (from the model unless set)."""
+        if self.source is None:
+            return mark_model_buckets(config, self.explicit_args)
+        return config
