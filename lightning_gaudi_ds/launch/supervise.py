@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,7 +29,14 @@ from typing import IO, Any, cast
 
 import psutil
 
-from lightning_gaudi_ds.launch._proc import describe_exit, exit_code, say, signal_when_parent_dies
+from lightning_gaudi_ds.launch._proc import (
+    HEARTBEAT_NAME,
+    describe_exit,
+    exit_code,
+    say,
+    signal_when_parent_dies,
+)
+from lightning_gaudi_ds.launch.hostfile import Host
 from lightning_gaudi_ds.launch.plan import RUN_ID_ENV
 
 
@@ -58,10 +66,13 @@ class Supervisor:
         stop_timeout: seconds between SIGTERM and SIGKILL when stopping the job.
         timeout: stop the job after this many seconds (exit code 124); None waits forever.
         tail_lines: lines of a failed rank's output to print.
+        hosts: the hostfile's hosts, in rank order: which ranks a host that is lost had.
     """
 
-    def __init__(self, stop_timeout: float = 10.0, timeout: float | None = None, tail_lines: int = 20) -> None:
+    def __init__(self, stop_timeout: float = 10.0, timeout: float | None = None, tail_lines: int = 20,
+                 hosts: Sequence[Host] | None = None) -> None:
         self.stop_timeout = stop_timeout
+        self.hosts = list(hosts) if hosts is not None else None
         self.timeout = timeout
         self.tail_lines = tail_lines
         self._stop_signal: int | None = None
@@ -83,11 +94,13 @@ class Supervisor:
                             if threading.active_count() == 1 else None),
             )
             relay = _Relay(launcher.stdout, run_dir / "launcher.log")
+            heartbeat = _Heartbeat(run_dir / HEARTBEAT_NAME)
             failure, code = None, 1
             try:
                 failure, code = self._watch(launcher, run_dir, start)
             finally:
                 stopped = self._stop(launcher, token, clean_exit=failure is None and code == 0)
+                heartbeat.stop()  # ranks on other hosts stop by themselves once it is gone
                 relay.join()
         elapsed = time.monotonic() - start
         if failure is not None:
@@ -99,7 +112,7 @@ class Supervisor:
             say(f"{len(stopped.pids)} process(es) of the job outlived the launcher and were stopped: {stopped.pids}")
         if code == 0 and not keep_logs:
             shutil.rmtree(run_dir, ignore_errors=True)
-        elif code != 0:
+        elif code != 0 and keep_logs:
             say(f"per-rank logs: {run_dir}")
         return code
 
@@ -117,8 +130,8 @@ class Supervisor:
             if code is not None:
                 failure = ranks.first_failure()  # the shims wrote their records before exiting
                 if failure is None and code != 0:
-                    failure = Failure(None, exit_code(code), f"the launcher exited with {describe_exit(code)}",
-                                      run_dir / "launcher.log")
+                    failure = Failure(None, exit_code(code), f"the launcher exited with {describe_exit(code)}"
+                                      f"{ranks.silent_hosts(self.hosts)}", run_dir / "launcher.log")
                 return failure, 0 if failure is None else failure.returncode
             if self.timeout is not None and time.monotonic() - start > self.timeout:
                 return Failure(None, 124, f"the job ran past timeout={self.timeout:g} s", None), 124
@@ -173,6 +186,33 @@ class _RankTable:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self.procs: dict[int, psutil.Process | None] = {}
+        self.host = socket.gethostname()
+
+    def records(self) -> dict[int, dict[str, Any]]:
+        found = {}
+        for path in self.run_dir.glob("rank*.json"):
+            try:
+                record = json.loads(path.read_text())
+                found[int(record["rank"])] = record
+            except (OSError, ValueError, KeyError):
+                continue
+        return found
+
+    def silent_hosts(self, hosts: Sequence[Host] | None) -> str:
+        """``: host n1 (ranks 2-3) gave no exit status ...`` for the hosts whose ranks never reported an exit."""
+        if not hosts or len(hosts) < 2:
+            return ""
+        records, first, lost = self.records(), 0, []
+        for host in hosts:
+            ranks = range(first, first + host.slots)
+            first += host.slots
+            if any("returncode" not in records.get(r, {}) for r in ranks):
+                span = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+                lost.append(f"host {host.name} ({span})")
+        if not lost:
+            return ""
+        return (f"; {', '.join(lost)} gave no exit status: unreachable (a lost node or link; ssh keepalives"
+                " ended the launch) or killed")
 
     def first_failure(self) -> Failure | None:
         failures = []
@@ -190,11 +230,13 @@ class _RankTable:
                                      f"exited with {describe_exit(code)} (pid {record['child_pid']} on"
                                      f" {record['host']})", log)))
                 continue
-            if rank not in self.procs:
+            if rank not in self.procs and record.get("host") == self.host:
                 try:
                     self.procs[rank] = psutil.Process(int(record["pid"]))
                 except psutil.NoSuchProcess:
                     self.procs[rank] = None
+            if record.get("host") != self.host:
+                continue  # another host's process: its shim records its exit, or the launcher reports the host
             proc = self.procs[rank]
             if not _alive(proc) and "returncode" not in json.loads(path.read_text()):
                 failures.append((time.time(), Failure(rank, 128 + signal.SIGKILL,
@@ -270,6 +312,37 @@ class _Relay(threading.Thread):
 
     def join(self, timeout: float | None = 5.0) -> None:
         super().join(timeout)
+
+
+class _Heartbeat(threading.Thread):
+    """A counter in the run directory, rewritten every second while the job is supervised. A rank on another host
+    stops its script when the file is gone (the supervisor has ended) or unchanged for the link timeout (a lost
+    link, or the supervisor's host is down): see the rank shim."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(daemon=True)
+        self.path, self.done = path, threading.Event()
+        self._beat(0)
+        self.start()
+
+    def _beat(self, count: int) -> None:
+        try:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(str(count))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass
+
+    def run(self) -> None:
+        count = 0
+        while not self.done.wait(1.0):
+            count += 1
+            self._beat(count)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join(timeout=5)
+        self.path.unlink(missing_ok=True)
 
 
 class _SignalTrap:
