@@ -284,6 +284,11 @@ def launch_env(spec: LaunchSpec, base: Mapping[str, str], run_dir: Path, token: 
         key = "OMPI_MCA_plm_rsh_args" if spec.launcher == "mpirun" else "PDSH_SSH_ARGS_APPEND"
         env[key] = f"{base[key]} {keepalive}" if base.get(key) else keepalive
         env[LINK_TIMEOUT_ENV] = f"{spec.link_timeout:g}"  # the shims' bound on the supervisor's heartbeat
+        if spec.launcher == "mpirun":
+            # Each remote orted's lifeline to mpirun: TCP keepalives, so a daemon behind a lost link ends too
+            # (Open MPI's default: 300 s idle, then 9 probes 20 s apart).
+            for name, value in (("time", interval), ("intvl", interval), ("probes", _KEEPALIVE_PROBES)):
+                env.setdefault(f"OMPI_MCA_oob_tcp_keepalive_{name}", str(value))
     if spec.launcher == "mpirun":
         if machine.as_root:
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")

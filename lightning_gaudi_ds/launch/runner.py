@@ -24,7 +24,7 @@ from pathlib import Path
 from lightning_gaudi_ds.launch import plan
 from lightning_gaudi_ds.launch._proc import free_port, is_local_address, port_in_use, say
 from lightning_gaudi_ds.launch.hostfile import Host
-from lightning_gaudi_ds.launch.rendezvous import TIMEOUT_ENV, rendezvous_timeout
+from lightning_gaudi_ds.launch.rendezvous import DEFAULT_TIMEOUT, HOW_TO_START, TIMEOUT_ENV, rendezvous_timeout
 from lightning_gaudi_ds.launch.supervise import Supervisor
 
 __all__ = ["DistributedRunner"]
@@ -176,6 +176,13 @@ class DistributedRunner:
             " (pass --master_port to choose one).")
         return port
 
+    def _no_rank_hint(self, port: int) -> str:
+        if self.launcher != "torchrun" or self.spec.hosts is None or self.node_rank is None:
+            return ""
+        limit = self.spec.rendezvous_timeout or DEFAULT_TIMEOUT
+        return (f"no rank started: torchrun's rendezvous of {len(self.spec.hosts)} nodes at {self.master_addr}:{port}"
+                f" did not complete within {limit:g} s ({TIMEOUT_ENV}); is every node started? {HOW_TO_START}")
+
     def run(self) -> int:
         """Run every command; return the first non-zero exit code (128+N for a rank killed by signal N), else 0."""
         self._check_launcher_installed()
@@ -215,7 +222,8 @@ class DistributedRunner:
             private.append(run_dir / plan.DEEPSPEED_ENV_NAME)
             env = self._environment(run_dir, token, port)
             say(f"{self.launcher}, world size {self.world_size}: {shlex.join(argv)}")
-            supervisor = Supervisor(self.stop_timeout, self.timeout, self.tail_lines, self.spec.hosts)
+            supervisor = Supervisor(self.stop_timeout, self.timeout, self.tail_lines, self.spec.hosts,
+                                    self._no_rank_hint(port))
             return supervisor.run(argv, env, run_dir, token, keep)
         finally:
             for path in private:

@@ -120,3 +120,51 @@ def test_arguments_reach_remote_ranks_byte_for_byte(clean: Cluster, tmp_path: Pa
     if flag == "--use_deepspeed":
         assert env["OMPI_MCA_ess_singleton_isolated"] == "1"
         assert modes["deepspeed_env"] == 0o600, modes
+
+
+COLLECTIVE = str(HERE / "collective_job.py")
+LINK_TIMEOUT = 6  # s: ssh keepalives every 2 s, 3 missed end the session
+
+
+@pytest.mark.parametrize("flag", ["--use_deepspeed", "--use_mpi"])
+def test_partition_ends_every_process_within_the_bound(clean: Cluster, tmp_path: Path, flag: str) -> None:
+    """n1's link goes down mid-job: the launcher exits non-zero within the bound, naming n1 and its rank, and once the
+    link is back nothing of the job is left on either host."""
+    job = spawn(clean, 0, "--hostfile", str(clean.hostfile(1)), flag, "--master_port", "0", "--stop_timeout", "3",
+                "--link_timeout", str(LINK_TIMEOUT), COLLECTIVE, "--pg-timeout", "300")
+    job.wait_for("rank 1 on n1: step 3", timeout=120)
+    cut = time.monotonic()
+    clean.hosts[1].link(False)
+    result = job.wait(timeout=120)
+    ended = time.monotonic() - cut
+    n1_left = clean.hosts[1].processes()
+    deadline = time.monotonic() + 60
+    while len(n1_left) > 0 and time.monotonic() < deadline:  # n1's side ends by itself, with the link still down
+        time.sleep(0.5)
+        n1_left = [p for p in clean.hosts[1].processes() if "sshd" not in p[1]]
+    n1_ended = time.monotonic() - cut
+    clean.hosts[1].link(True)
+    left = clean.wait_clean(30)
+    print(f"\npartition {flag}: launcher exited after {ended:.1f} s, n1's job processes gone after {n1_ended:.1f} s,"
+          f" all clean {time.monotonic() - cut:.1f} s after the cut")
+    TIMINGS[f"partition {flag}"] = ended
+    assert not result.timed_out, result.output[-4000:]
+    assert result.returncode != 0, result.output[-4000:]
+    assert "host n1 (rank 1)" in result.output, result.output[-4000:]
+    assert ended < LINK_TIMEOUT + 20, result.output[-3000:]
+    assert not n1_left, f"left on n1 with the link down: {n1_left}"
+    assert not left, f"left behind: {left}"
+
+
+def test_missing_node_gets_a_bounded_rendezvous(clean: Cluster, tmp_path: Path) -> None:
+    """Per-node torchrun with node 1 never started: node 0 gives up after the rendezvous timeout, with the project's
+    message."""
+    job = spawn(clean, 0, "--hostfile", str(clean.hostfile(1)), "--node_rank", "0", "--master_addr", "n0",
+                "--master_port", str(free_port()), COLLECTIVE, env={"LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT": "8"})
+    [result] = finish(clean, job, timeout=120)
+    TIMINGS["missing node"] = result.seconds
+    print(f"\nmissing node: ended after {result.seconds:.1f} s")
+    assert result.returncode != 0
+    assert "torchrun's rendezvous of 2 nodes at n0" in result.output, result.output[-3000:]
+    assert "did not complete within 8 s" in result.output and "A multi-node run starts" in result.output
+    assert result.seconds < 8 + 60, result.output[-3000:]
