@@ -102,12 +102,16 @@ class Cluster:
         return left
 
     def kill_leftovers(self) -> None:
-        for host in self.hosts:
-            for pid, _ in host.processes():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        for index in range(len(self.hosts)):
+            self.kill_leftovers_on(index)
+
+    def kill_leftovers_on(self, index: int) -> None:
+        """SIGKILL every process of host ``index`` but its sshd listener."""
+        for pid, _ in self.hosts[index].processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def _check_tools() -> None:

@@ -168,3 +168,20 @@ def test_missing_node_gets_a_bounded_rendezvous(clean: Cluster, tmp_path: Path) 
     assert "torchrun's rendezvous of 2 nodes at n0" in result.output, result.output[-3000:]
     assert "did not complete within 8 s" in result.output and "A multi-node run starts" in result.output
     assert result.seconds < 8 + 60, result.output[-3000:]
+
+
+def test_killed_node_ends_the_job_within_seconds(clean: Cluster, tmp_path: Path) -> None:
+    """Every process on n1 but its sshd listener is SIGKILLed mid-job (a node that crashed): the job ends within
+    seconds, naming n1 and its rank, with nothing left on n0."""
+    job = spawn(clean, 0, "--hostfile", str(clean.hostfile(1)), "--use_deepspeed", "--master_port", "0",
+                "--stop_timeout", "3", COLLECTIVE, "--pg-timeout", "300")
+    job.wait_for("rank 1 on n1: step 3", timeout=120)
+    killed = time.monotonic()
+    clean.kill_leftovers_on(1)
+    [result] = finish(clean, job, timeout=120)
+    ended = time.monotonic() - killed
+    TIMINGS["killed node"] = ended
+    print(f"\nkilled node: ended after {ended:.1f} s")
+    assert result.returncode == 255, result.output[-3000:]
+    assert "host n1 (rank 1) unreachable" in result.output, result.output[-3000:]
+    assert ended < 30, result.output[-3000:]
