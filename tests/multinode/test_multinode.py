@@ -185,3 +185,27 @@ def test_killed_node_ends_the_job_within_seconds(clean: Cluster, tmp_path: Path)
     assert result.returncode == 255, result.output[-3000:]
     assert "host n1 (rank 1) unreachable" in result.output, result.output[-3000:]
     assert ended < 30, result.output[-3000:]
+
+
+def test_exact_resume_from_the_shared_directory(clean: Cluster, tmp_path: Path) -> None:
+    """ZeRO-3 over pdsh on both hosts: 4 steps in one go, and 2 steps then a resume from the checkpoint both hosts
+    wrote on the shared directory, give the same losses bit for bit."""
+    shared = tmp_path / "ckpt"
+    plan = [{"name": "full", "stage": 3, "max_steps": 4, "every": 2, "epoch_steps": 2, "dir": str(shared / "full")},
+            {"name": "first", "stage": 3, "max_steps": 2, "every": 2, "epoch_steps": 2, "dir": str(shared / "first")},
+            {"name": "resume", "stage": 3, "max_steps": 4, "every": 2, "epoch_steps": 2, "dir": str(shared / "resume"),
+             "ckpt_path": str(shared / "first" / "last.ckpt")}]
+    out = tmp_path / "out"
+    job = spawn(clean, 0, "--hostfile", str(clean.hostfile(1)), "--use_deepspeed", "--master_port", "0",
+                str(JOBS / "ckpt_job.py"), "--out", str(out), "--devices", "1", "--num-nodes", "2",
+                "--plan", json.dumps(plan))
+    [result] = finish(clean, job)
+    assert result.returncode == 0, result.output[-4000:]
+    found = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["host"] for r in found] == ["n0", "n1"]
+    for r in found:
+        full, resumed = r["full"]["records"], r["resume"]["records"]
+        assert sorted(resumed) == ["3", "4"], resumed
+        assert [resumed[k]["loss"] for k in ("3", "4")] == [full[k]["loss"] for k in ("3", "4")]
+    TIMINGS["resume"] = result.seconds
+    print(f"\nresume over pdsh: {result.seconds:.1f} s")
