@@ -106,27 +106,27 @@ def _watch_supervisor(path: Path, timeout: float, stop: Any) -> None:
     """A launch across hosts: call ``stop`` once the supervisor's heartbeat file is gone (it has ended) or has not
     changed for ``timeout`` s (its host or the link to it is lost; a read that hangs, as on a lost NFS server,
     counts as no change). Times are this host's own, so clocks need not agree."""
-    state = {"seen": time.monotonic(), "beat": None, "gone": False}
+    seen, beat, gone = time.monotonic(), "", False
 
     def read() -> None:
+        nonlocal seen, beat, gone
         while True:
             try:
-                beat = path.read_text()
+                now = path.read_text()
             except FileNotFoundError:
-                state["gone"] = True
+                gone = True
                 return
             except OSError:
-                beat = state["beat"]
-            if beat != state["beat"]:
-                state["beat"], state["seen"] = beat, time.monotonic()
+                now = beat
+            if now != beat:
+                beat, seen = now, time.monotonic()
             time.sleep(1.0)
 
     def check() -> None:
-        while not state["gone"] and time.monotonic() - float(state["seen"]) < timeout:  # type: ignore[arg-type]
+        while not gone and time.monotonic() - seen < timeout:
             time.sleep(0.5)
         sys.stderr.write(f"lightning-gaudi-ds: rank {global_rank_from_env()} on {socket.gethostname()}: the"
-                         f" supervisor {'has ended' if state['gone'] else f'is silent for {timeout:g} s'}:"
-                         " stopping\n")
+                         f" supervisor {'has ended' if gone else f'is silent for {timeout:g} s'}: stopping\n")
         stop()
 
     for target in (read, check):

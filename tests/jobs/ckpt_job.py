@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     results = {spec["name"]: fit(spec, args.devices, args.pg_timeout, args.num_nodes)
                for spec in json.loads(args.plan)}
-    rank = os.environ.get("RANK", "0") if args.num_nodes > 1 else os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))
+    local = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))
+    rank = os.environ.get("RANK", "0") if args.num_nodes > 1 else local
     write_result(args.out, int(rank), results)
 
 

@@ -155,7 +155,8 @@ def _start(cluster: Cluster, tag: str) -> None:
     (root / "hosts").write_text("127.0.0.1 localhost\n" + "".join(f"{h.address} {h.name}\n" for h in cluster.hosts))
     (root / "ssh_config").write_text(
         "Host *\n  User root\n  IdentityFile {id}\n  IdentitiesOnly yes\n  StrictHostKeyChecking no\n"
-        "  UserKnownHostsFile /dev/null\n  BatchMode yes\n  LogLevel ERROR\n  ConnectTimeout 10\n".format(id=root / "id"))
+        "  UserKnownHostsFile /dev/null\n  BatchMode yes\n  LogLevel ERROR\n  ConnectTimeout 10\n"
+        .format(id=root / "id"))
     cluster.bin.mkdir()
     wrapper = cluster.bin / "ssh"
     wrapper.write_text(f'#!/bin/sh\nexec /usr/bin/ssh -F {root / "ssh_config"} "$@"\n')

@@ -25,7 +25,8 @@ LOSSES: dict[str, list[list[float]]] = {}  # launcher -> per-rank losses, compar
 TIMINGS: dict[str, float] = {}
 
 
-def spawn(cluster: Cluster, host: int, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> LiveJob:
+def spawn(cluster: Cluster, host: int, *args: str, env: dict[str, str] | None = None,
+          cwd: Path | None = None) -> LiveJob:
     """``lightning-gaudi-ds spawn ARGS`` started on host ``host``."""
     argv = [*cluster.hosts[host].enter(cwd or cluster.root), sys.executable, "-m", "lightning_gaudi_ds", "spawn", *args]
     return LiveJob(argv, env={**cluster.env(), **(env or {})}, cwd=cwd or cluster.root)
