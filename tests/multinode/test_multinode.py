@@ -6,6 +6,8 @@ starts. After every test nothing of the job may be left on either host."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -210,3 +212,24 @@ def test_exact_resume_from_the_shared_directory(clean: Cluster, tmp_path: Path) 
         assert [resumed[k]["loss"] for k in ("3", "4")] == [full[k]["loss"] for k in ("3", "4")]
     TIMINGS["resume"] = result.seconds
     print(f"\nresume over pdsh: {result.seconds:.1f} s")
+
+
+@pytest.mark.parametrize("flag", ["--use_deepspeed", "--use_mpi"])
+def test_killed_rank_on_the_other_host_is_the_one_reported(clean: Cluster, tmp_path: Path, flag: str) -> None:
+    """Rank 1's script on n1 is SIGKILLed: its record on the shared run directory makes it the reported failure
+    (rank, host, last lines) with exit code 137, under pdsh and mpirun alike."""
+    job = spawn(clean, 0, "--hostfile", str(clean.hostfile(1)), flag, "--master_port", "0", "--stop_timeout", "3",
+                COLLECTIVE, "--pg-timeout", "300")
+    job.wait_for("rank 1 on n1: step 3", timeout=120)
+    scripts = [pid for pid, cmd in clean.hosts[1].processes() if "collective_job.py" in cmd and "rank.py" not in cmd]
+    assert len(scripts) == 1, clean.hosts[1].processes()
+    killed = time.monotonic()
+    os.kill(scripts[0], signal.SIGKILL)
+    [result] = finish(clean, job, timeout=120)
+    ended = time.monotonic() - killed
+    TIMINGS[f"killed rank {flag}"] = ended
+    print(f"\nkilled rank 1 {flag}: ended after {ended:.1f} s")
+    assert result.returncode == 137, result.output[-3000:]
+    assert "rank 1 failed: exited with signal SIGKILL" in result.output and "on n1)" in result.output, \
+        result.output[-3000:]
+    assert "last " in result.output and "rank 1 on n1: step 3" in result.output.split("rank 1 failed")[-1]
