@@ -17,6 +17,19 @@ if ! command -v mpirun >/dev/null 2>&1; then
     echo "setup.sh: no mpirun and no apt-get: install Open MPI yourself for --use_mpi and its tests" >&2
   fi
 fi
+# sshd and pdsh for the multi-node tier (tests/multinode: two hosts as network namespaces, each with its own sshd;
+# DeepSpeed's multi-node launch uses pdsh). Without them that tier is skipped, saying why.
+if ! { [ -x /usr/sbin/sshd ] && command -v pdsh >/dev/null 2>&1; }; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    { $SUDO apt-get update -qq >/dev/null \
+      && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+           openssh-server openssh-client pdsh >/dev/null; } \
+      || echo "setup.sh: openssh-server/pdsh could not be installed: the multi-node tier will be skipped" >&2
+  else
+    echo "setup.sh: no sshd/pdsh and no apt-get: the multi-node tier (tests/multinode) will be skipped" >&2
+  fi
+fi
 DS_PIN=${LIGHTNING_GAUDI_DS_DEEPSPEED:-}
 VENV=.venv${DS_PIN:+-deepspeed-$DS_PIN}
 if [ ! -x "$VENV/bin/pip" ]; then  # pip, not python: a half-made venv (no ensurepip) is made again

@@ -4,8 +4,10 @@ with tiny stdlib-only scripts."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import stat
 import sys
 from pathlib import Path
 
@@ -523,3 +525,89 @@ def test_killing_the_runner_leaves_no_rank_behind(tmp_path: Path) -> None:
         assert not job.leftovers()
     finally:
         job.kill()
+
+
+# ---------------------------------------------------------------- launches across hosts (issues 23 and 28)
+MACHINE = plan.Machine(python="/py", mpirun="/opt/mpirun", as_root=True, cpus=1)
+
+
+def across_hosts(tmp_path: Path, flag: str = "use_deepspeed", **kwargs: object) -> plan.LaunchSpec:
+    return plan.resolve(2, write(tmp_path, "a slots=1\nb slots=1\n"), **{flag: True}, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("flag", ["use_deepspeed", "use_mpi"])
+def test_remote_ranks_read_their_arguments_from_a_file(tmp_path: Path, flag: str) -> None:
+    spec = across_hosts(tmp_path, flag)
+    assert spec.across_hosts
+    argv = plan.launch_argv(spec, ["job.py", "x'; touch PWNED; '"], 1, MACHINE, tmp_path / "argv.json")
+    assert argv[-3:] == [plan.SHIM, "--lgds-args-file", str(tmp_path / "argv.json")]
+    assert not any("PWNED" in a for a in argv)
+
+
+def test_pdsh_settings_and_keepalives_on_every_device(tmp_path: Path) -> None:
+    env = plan.launch_env(across_hosts(tmp_path, link_timeout=9.0, rendezvous_timeout=30.0),
+                          {"PATH": "/bin", "PDSH_SSH_ARGS_APPEND": "-F cfg"}, tmp_path, "tok", 1, MACHINE)
+    assert env["DS_ENV_FILE"] == str(tmp_path / "deepspeed_env")  # on CPU too, not only on Gaudi
+    assert env["PDSH_SSH_ARGS_APPEND"] == "-F cfg -o ServerAliveInterval=3 -o ServerAliveCountMax=3"
+    text = plan.deepspeed_env_text(env)
+    for line in ("LIGHTNING_GAUDI_DS_RUN_ID=tok", "LIGHTNING_GAUDI_DS_STOP_TIMEOUT=10.0",
+                 "LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT=30", "LIGHTNING_GAUDI_DS_LINK_TIMEOUT=9",
+                 "OMPI_MCA_ess_singleton_isolated=1", f"LIGHTNING_GAUDI_DS_RUN_DIR={tmp_path}"):
+        assert line in text.splitlines()
+    with pytest.raises(ValueError, match=r"HABANA_LOGS='/x/\$\(id\)'.*remote shell"):
+        plan.deepspeed_env_text({**env, "HABANA_LOGS": "/x/$(id)"})
+
+
+def test_mpirun_forwards_the_rendezvous_timeout_and_keepalives(tmp_path: Path) -> None:
+    spec = across_hosts(tmp_path, "use_mpi", rendezvous_timeout=30.0)
+    argv = plan.launch_argv(spec, ["job.py"], 1, MACHINE)
+    exported = {argv[i + 1] for i, a in enumerate(argv) if a == "-x"}
+    assert {"LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT", "LIGHTNING_GAUDI_DS_LINK_TIMEOUT",
+            "LIGHTNING_GAUDI_DS_RUN_DIR", "LIGHTNING_GAUDI_DS_RUN_ID"} <= exported
+    env = plan.launch_env(spec, {}, tmp_path, "tok", 1, MACHINE)
+    assert env["OMPI_MCA_plm_rsh_args"] == "-o ServerAliveInterval=20 -o ServerAliveCountMax=3"
+    assert env["OMPI_MCA_oob_tcp_keepalive_time"] == "20" and env["OMPI_MCA_oob_tcp_keepalive_probes"] == "3"
+
+
+def test_per_node_torchrun_gets_a_bounded_rendezvous(tmp_path: Path) -> None:
+    spec = plan.resolve(2, write(tmp_path, "a slots=1\nb slots=1\n"), node_rank=1, rendezvous_timeout=12.5)
+    argv = plan.launch_argv(spec, ["job.py"], 1, MACHINE)
+    assert argv[argv.index("--rdzv-conf") + 1] == "timeout=13"
+    assert "--rdzv-conf" in plan.launch_argv(plan.resolve(2, write(tmp_path, "a slots=1\nb slots=1\n"), node_rank=0),
+                                             ["job.py"], 1, MACHINE)
+
+
+@pytest.mark.parametrize("value", [0, -1, float("inf"), "5"])
+def test_link_timeout_is_checked(tmp_path: Path, value: object) -> None:
+    with pytest.raises(ValueError, match="link_timeout=.*a finite number > 0"):
+        across_hosts(tmp_path, link_timeout=value)
+
+
+def test_run_dir_and_private_files_modes_and_removal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pdsh launch: the run directory (under the shared working directory) is 0700, the env and argument files
+    0600, and all of it is gone after the job, whether it succeeded or failed."""
+    from lightning_gaudi_ds.launch import runner as runner_module
+
+    seen: list[dict] = []
+
+    class Recorder:
+        def __init__(self, *args: object) -> None:
+            pass
+
+        def run(self, argv: list[str], env: dict[str, str], run_dir: Path, token: str, keep: bool) -> int:
+            seen.append({"dir": run_dir, "modes": {p.name: stat.S_IMODE(p.stat().st_mode)
+                                                   for p in [run_dir, *run_dir.iterdir()]},
+                         "args": json.loads((run_dir / "argv.json").read_text())})
+            return len(seen) - 1  # 0, then a failure
+
+    monkeypatch.setattr(runner_module, "Supervisor", Recorder)
+    monkeypatch.chdir(tmp_path)
+    hostfile = write(tmp_path, "a slots=1\nb slots=1\n")
+    for expected in (0, 1):
+        launch = DistributedRunner(["job.py \"x'; touch PWNED; '\""], hostfile=hostfile, use_deepspeed=True,
+                                   master_port=12345)
+        assert launch.run() == expected
+    for record in seen:
+        assert record["dir"].parent == tmp_path and not record["dir"].exists()
+        assert record["modes"] == {record["dir"].name: 0o700, "argv.json": 0o600, "deepspeed_env": 0o600}
+        assert record["args"] == ["job.py", "x'; touch PWNED; '"]

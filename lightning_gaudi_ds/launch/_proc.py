@@ -17,6 +17,11 @@ PREFIX = "lightning-gaudi-ds:"
 # Set by the runner for the rank shims: where they keep logs and exit records, and their SIGTERM -> SIGKILL grace.
 RUN_DIR_ENV = "LIGHTNING_GAUDI_DS_RUN_DIR"
 STOP_TIMEOUT_ENV = "LIGHTNING_GAUDI_DS_STOP_TIMEOUT"
+# The shim's flag for a launch across hosts: the script and its arguments are read from this JSON file.
+ARGS_FILE_FLAG = "--lgds-args-file"
+# Launches across hosts: the supervisor's heartbeat in the run directory, and how long a rank waits for it to change.
+HEARTBEAT_NAME = "supervisor.alive"
+LINK_TIMEOUT_ENV = "LIGHTNING_GAUDI_DS_LINK_TIMEOUT"
 
 # How MPI launchers announce a process's global rank and the world size: Open MPI (OMPI_COMM_WORLD_*), MPICH and
 # Intel MPI (PMI_*), MVAPICH2 (MV2_*). A PMIx server (Open MPI 4+, Slurm's --mpi=pmix) exports PMIX_RANK but no

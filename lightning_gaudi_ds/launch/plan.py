@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_gaudi_ds import hpu
-from lightning_gaudi_ds.launch._proc import RUN_DIR_ENV, STOP_TIMEOUT_ENV
+from lightning_gaudi_ds.launch._proc import ARGS_FILE_FLAG, LINK_TIMEOUT_ENV, RUN_DIR_ENV, STOP_TIMEOUT_ENV
 from lightning_gaudi_ds.launch.hostfile import Host, parse_hostfile
+from lightning_gaudi_ds.launch.rendezvous import DEFAULT_TIMEOUT as DEFAULT_RENDEZVOUS_TIMEOUT
+from lightning_gaudi_ds.launch.rendezvous import TIMEOUT_ENV as RENDEZVOUS_TIMEOUT_ENV
 
 # What remote ranks of a multi-node mpirun need from the launching shell (Open MPI passes only `-x` names): the
 # execution mode and bridge flags, the visible cards, HCCL's network settings, the libraries the bridge loads.
@@ -65,6 +67,9 @@ _MPI_EXPORTS = ("MASTER_ADDR", "MASTER_PORT", RUN_DIR_ENV, RUN_ID_ENV, STOP_TIME
 # DS_ENV_FILE sets; a Gaudi job writes its own (with the user's lines first) in the run directory.
 DEEPSPEED_ENV_FILE = "DS_ENV_FILE"
 DEEPSPEED_ENV_NAME = "deepspeed_env"
+ARGS_NAME = "argv.json"  # a launch across hosts: the script and its arguments, read by every rank's shim
+# ssh keepalives (pdsh, mpirun): a host silent for link_timeout s ends the ssh session, and with it the launch.
+_KEEPALIVE_PROBES = 3
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,14 @@ class LaunchSpec:
     hosts: tuple[Host, ...] | None = None
     node_rank: int | None = None
     hpu_mode: hpu.Mode | None = None
+    link_timeout: float = 60.0
+    rendezvous_timeout: float | None = None  # LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT, given to every rank
+
+    @property
+    def across_hosts(self) -> bool:
+        """Whether this launcher starts ranks on other hosts itself (pdsh or mpirun over ssh)."""
+        return (self.launcher in ("deepspeed", "mpirun") and self.hosts is not None and len(self.hosts) > 1
+                and self.node_rank is None)
 
 
 @dataclass(frozen=True)
@@ -125,6 +138,8 @@ def resolve(
     node_rank: int | None = None,
     stop_timeout: float = 10.0,
     hpu_mode: hpu.Mode | None = None,
+    link_timeout: float = 60.0,
+    rendezvous_timeout: float | None = None,
 ) -> LaunchSpec:
     """Check the arguments together (reading the hostfile) and pick the launcher; ``ValueError`` says what to fix."""
     if hpu_mode not in (None, "eager", "lazy"):
@@ -139,6 +154,9 @@ def resolve(
     if not _seconds(stop_timeout, zero_ok=True):
         raise ValueError(f"stop_timeout={stop_timeout!r}: pass the seconds between SIGTERM and SIGKILL when stopping"
                          " ranks, a finite number >= 0 (default 10).")
+    if not _seconds(link_timeout):
+        raise ValueError(f"link_timeout={link_timeout!r}: pass the seconds after which a silent host (a lost node or"
+                         " link) ends the job, a finite number > 0 (default 60).")
     path = Path(hostfile).resolve() if hostfile is not None else None
     hosts = tuple(parse_hostfile(path)) if path is not None else None
     world_size = _world_size(world_size, path, hosts, node_rank, use_mpi, use_deepspeed)
@@ -149,7 +167,8 @@ def resolve(
     else:
         launcher = "python" if world_size == 1 and hosts is None else "torchrun"
     address = master_addr or (hosts[0].name if hosts and len(hosts) > 1 else "127.0.0.1")
-    return LaunchSpec(launcher, world_size, address, master_port, stop_timeout, path, hosts, node_rank, hpu_mode)
+    return LaunchSpec(launcher, world_size, address, master_port, stop_timeout, path, hosts, node_rank, hpu_mode,
+                      link_timeout, rendezvous_timeout)
 
 
 def _seconds(value: object, zero_ok: bool = False) -> bool:
@@ -222,12 +241,22 @@ def _world_size(world_size: int, hostfile: Path | None, hosts: tuple[Host, ...] 
     return total
 
 
-def launch_argv(spec: LaunchSpec, user: Sequence[str], port: int, machine: Machine) -> list[str]:
-    """The argv that starts ``user`` (script or ``-m module``, and its arguments) on every rank of ``spec``."""
+def launch_argv(spec: LaunchSpec, user: Sequence[str], port: int, machine: Machine,
+                args_file: Path | None = None) -> list[str]:
+    """The argv that starts ``user`` (script or ``-m module``, and its arguments) on every rank of ``spec``.
+
+    With ``args_file`` (a launch across hosts, where a remote shell parses the command line) the ranks read
+    ``user`` from that file instead: the command line carries only its path."""
     py, shim, user = machine.python, [SHIM], list(user)
+    if args_file is not None:
+        user = [ARGS_FILE_FLAG, str(args_file)]
     if spec.launcher == "mpirun":
         cmd = [machine.mpirun, "-np", str(spec.world_size)]
         exports = list(_MPI_EXPORTS)
+        if spec.rendezvous_timeout is not None:
+            exports.append(RENDEZVOUS_TIMEOUT_ENV)
+        if spec.across_hosts:
+            exports.append(LINK_TIMEOUT_ENV)
         if _gaudi(spec, machine):
             # Habana's launchers pin each rank to its share of the cores; remote ranks need the mode and the
             # Gaudi settings of this shell.
@@ -263,9 +292,12 @@ def launch_argv(spec: LaunchSpec, user: Sequence[str], port: int, machine: Machi
         nnodes, per_node, node_rank = len(spec.hosts), spec.hosts[spec.node_rank].slots, spec.node_rank
     else:
         nnodes, per_node, node_rank = 1, spec.world_size, 0
+    rdzv = []
+    if nnodes > 1:  # torchrun's own rendezvous comes before any rank: bound it by the project's rendezvous timeout
+        rdzv = ["--rdzv-conf", f"timeout={math.ceil(spec.rendezvous_timeout or DEFAULT_RENDEZVOUS_TIMEOUT)}"]
     return [py, "-u", "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc_per_node", str(per_node),
             "--node_rank", str(node_rank), "--master_addr", spec.master_addr, "--master_port", str(port),
-            "--max_restarts", "0", "--monitor_interval", "0.5", *shim, *user]
+            "--max_restarts", "0", "--monitor_interval", "0.5", *rdzv, *shim, *user]
 
 
 def launch_env(spec: LaunchSpec, base: Mapping[str, str], run_dir: Path, token: str, port: int,
@@ -276,6 +308,19 @@ def launch_env(spec: LaunchSpec, base: Mapping[str, str], run_dir: Path, token: 
                 "MASTER_PORT": str(port), STOP_TIMEOUT_ENV: str(spec.stop_timeout)})
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("PYTHONPATH", "")
+    if spec.rendezvous_timeout is not None:
+        env[RENDEZVOUS_TIMEOUT_ENV] = f"{spec.rendezvous_timeout:g}"
+    if spec.across_hosts:
+        interval = max(1, math.ceil(spec.link_timeout / _KEEPALIVE_PROBES))
+        keepalive = f"-o ServerAliveInterval={interval} -o ServerAliveCountMax={_KEEPALIVE_PROBES}"
+        key = "OMPI_MCA_plm_rsh_args" if spec.launcher == "mpirun" else "PDSH_SSH_ARGS_APPEND"
+        env[key] = f"{base[key]} {keepalive}" if base.get(key) else keepalive
+        env[LINK_TIMEOUT_ENV] = f"{spec.link_timeout:g}"  # the shims' bound on the supervisor's heartbeat
+        if spec.launcher == "mpirun":
+            # Each remote orted's lifeline to mpirun: TCP keepalives, so a daemon behind a lost link ends too
+            # (Open MPI's default: 300 s idle, then 9 probes 20 s apart).
+            for name, value in (("time", interval), ("intvl", interval), ("probes", _KEEPALIVE_PROBES)):
+                env.setdefault(f"OMPI_MCA_oob_tcp_keepalive_{name}", str(value))
     if spec.launcher == "mpirun":
         if machine.as_root:
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
@@ -285,8 +330,8 @@ def launch_env(spec: LaunchSpec, base: Mapping[str, str], run_dir: Path, token: 
     if _gaudi(spec, machine):
         # habana_frameworks picks its mode at import in each rank: every rank gets it spelled out, and the defaults.
         env.update(hpu.rank_env(spec.hpu_mode or hpu.mode_from_env(base), base))
-        if spec.launcher == "deepspeed" and spec.hosts is not None and len(spec.hosts) > 1 and spec.node_rank is None:
-            env[DEEPSPEED_ENV_FILE] = str(run_dir / DEEPSPEED_ENV_NAME)
+    if spec.launcher == "deepspeed" and spec.across_hosts:
+        env[DEEPSPEED_ENV_FILE] = str(run_dir / DEEPSPEED_ENV_NAME)
     return env
 
 
@@ -294,8 +339,23 @@ def _gaudi(spec: LaunchSpec, machine: Machine) -> bool:
     return machine.gaudi or spec.hpu_mode is not None
 
 
+# What every rank of a pdsh launch must see besides the PYTHON* variables DeepSpeed forwards by itself.
+_DEEPSPEED_EXPORTS = (RUN_DIR_ENV, RUN_ID_ENV, STOP_TIMEOUT_ENV, RENDEZVOUS_TIMEOUT_ENV, LINK_TIMEOUT_ENV,
+                      "OMPI_MCA_ess_singleton_isolated", "PATH")
+# DeepSpeed writes each line as `export KEY="value";` into the remote shell's command (0.16 always quotes, 0.19 when
+# the value has other characters than these): inside double quotes these characters would still be interpreted.
+_SHELL_ACTIVE = re.compile(r'["$`\\\n\r]')
+
+
 def deepspeed_env_text(env: Mapping[str, str], user_lines: str = "") -> str:
-    """DeepSpeed's env file for a multi-node Gaudi launch: the user's own lines, then the Gaudi variables of ``env``."""
-    names = mpirun_forward_names(env)
+    """DeepSpeed's env file for a launch over pdsh: the user's own lines, then the project's settings and the Gaudi
+    variables of ``env``. A value a remote shell would interpret is refused (``ValueError``) before anything starts."""
+    names = [key for key in _DEEPSPEED_EXPORTS if key in env]
+    names += [key for key in mpirun_forward_names(env) if key not in names]
+    for key in names:
+        if _SHELL_ACTIVE.search(env[key]):
+            raise ValueError(f"{key}={env[key]!r}: DeepSpeed's pdsh launch hands this variable to a remote shell,"
+                             " which would interpret its \", $, `, \\ or line break. Remove those characters, or"
+                             " launch with use_mpi=True or per node (node_rank).")
     ours = "".join(f"{key}={env[key]}\n" for key in names)
     return (user_lines if not user_lines or user_lines.endswith("\n") else user_lines + "\n") + ours

@@ -6,7 +6,8 @@ its output to this process's stdout and to ``<run dir>/rank<R>.log``, and record
 ``<run dir>/rank<R>.json`` ("pid", "child_pid", "host", then "returncode"), so the runner learns which rank failed
 and how, whatever launcher sits in between. SIGTERM/SIGINT/SIGHUP are passed on to the script, and SIGKILL follows
 ``LIGHTNING_GAUDI_DS_STOP_TIMEOUT`` s later; the script gets SIGKILL if this shim dies. Without
-``LIGHTNING_GAUDI_DS_RUN_DIR`` it becomes the script.
+``LIGHTNING_GAUDI_DS_RUN_DIR`` it becomes the script. ``rank.py --lgds-args-file F`` reads the script and its
+arguments from the JSON list in ``F`` (launches across hosts: no remote shell parses them).
 """
 
 from __future__ import annotations
@@ -20,11 +21,15 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 if __package__:
     from lightning_gaudi_ds.launch._proc import (
+        ARGS_FILE_FLAG,
+        HEARTBEAT_NAME,
+        LINK_TIMEOUT_ENV,
         MPI_RANK_KEYS,
         RUN_DIR_ENV,
         STOP_TIMEOUT_ENV,
@@ -33,6 +38,9 @@ if __package__:
     )
 else:  # run by path, as the launchers do: the sibling module, without importing the package
     from _proc import (  # type: ignore[no-redef,import-not-found]
+        ARGS_FILE_FLAG,
+        HEARTBEAT_NAME,
+        LINK_TIMEOUT_ENV,
         MPI_RANK_KEYS,
         RUN_DIR_ENV,
         STOP_TIMEOUT_ENV,
@@ -40,7 +48,7 @@ else:  # run by path, as the launchers do: the sibling module, without importing
         signal_when_parent_dies,
     )
 
-__all__ = ["RUN_DIR_ENV", "STOP_TIMEOUT_ENV", "global_rank_from_env", "main", "python_command"]
+__all__ = ["ARGS_FILE_FLAG", "RUN_DIR_ENV", "STOP_TIMEOUT_ENV", "global_rank_from_env", "main", "python_command"]
 # Global rank as each launcher announces it; the first one present wins.
 _RANK_KEYS = ("RANK", *MPI_RANK_KEYS)
 
@@ -94,10 +102,45 @@ def _pump(src: int, log: Any) -> None:
             pass
 
 
+def _watch_supervisor(path: Path, timeout: float, stop: Any) -> None:
+    """A launch across hosts: call ``stop`` once the supervisor's heartbeat file is gone (it has ended) or has not
+    changed for ``timeout`` s (its host or the link to it is lost; a read that hangs, as on a lost NFS server,
+    counts as no change). Times are this host's own, so clocks need not agree."""
+    seen, beat, gone = time.monotonic(), "", False
+
+    def read() -> None:
+        nonlocal seen, beat, gone
+        while True:
+            try:
+                now = path.read_text()
+            except FileNotFoundError:
+                gone = True
+                return
+            except OSError:
+                now = beat
+            if now != beat:
+                beat, seen = now, time.monotonic()
+            time.sleep(1.0)
+
+    def check() -> None:
+        while not gone and time.monotonic() - seen < timeout:
+            time.sleep(0.5)
+        sys.stderr.write(f"lightning-gaudi-ds: rank {global_rank_from_env()} on {socket.gethostname()}: the"
+                         f" supervisor {'has ended' if gone else f'is silent for {timeout:g} s'}: stopping\n")
+        stop()
+
+    for target in (read, check):
+        threading.Thread(target=target, daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:
         argv = argv[1:]
+    if argv[:1] == [ARGS_FILE_FLAG] and len(argv) == 2:
+        # A launch across hosts: the script and its arguments come byte for byte from a file on the shared run
+        # directory, never through the remote shell that pdsh/ssh hands the command line to.
+        argv = json.loads(Path(argv[1]).read_text())
     command = python_command(argv)
     run_dir = os.environ.get(RUN_DIR_ENV)
     if not run_dir:
@@ -136,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
 
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, forward)
+        link = os.environ.get(LINK_TIMEOUT_ENV)
+        if link:
+            _watch_supervisor(directory / HEARTBEAT_NAME, float(link), lambda: forward(signal.SIGTERM, None))
         pump = threading.Thread(target=_pump, args=(read_fd, log), daemon=True)
         pump.start()
         returncode = child.wait()

@@ -11,6 +11,7 @@ owns every process of the job.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
@@ -23,6 +24,7 @@ from pathlib import Path
 from lightning_gaudi_ds.launch import plan
 from lightning_gaudi_ds.launch._proc import free_port, is_local_address, port_in_use, say
 from lightning_gaudi_ds.launch.hostfile import Host
+from lightning_gaudi_ds.launch.rendezvous import DEFAULT_TIMEOUT, HOW_TO_START, TIMEOUT_ENV, rendezvous_timeout
 from lightning_gaudi_ds.launch.supervise import Supervisor
 
 __all__ = ["DistributedRunner"]
@@ -45,10 +47,15 @@ class DistributedRunner:
         master_addr: rendezvous address; default 127.0.0.1, or the first host of the hostfile.
         node_rank: start only this node's ranks of a hostfile job (torchrun ``--node_rank``, DeepSpeed
             ``--no_ssh --node_rank``): run the same command on every node with its own node_rank.
-        log_dir: keep per-rank logs in a new subdirectory of this per run and command; default a temporary
-            directory, removed after success.
+        log_dir: keep per-rank logs in a new subdirectory of this per run and command (mode 0700); default a
+            private temporary directory (0700), removed at the end: under the working directory when the launcher
+            starts other hosts (pdsh, mpirun), since every rank writes its records there (it must be shared, as
+            the working directory DeepSpeed's launcher enters on every host is), else under the system's temp
+            directory.
         stop_timeout: seconds between SIGTERM and SIGKILL when stopping the job.
         timeout: stop the job after this many seconds (exit code 124); None waits forever.
+        link_timeout: launches over ssh (pdsh, mpirun): a host that does not answer ssh keepalives for this
+            long (a lost node or a partitioned link) ends the job; default 60 s.
         tail_lines: lines of a failed rank's output to print.
         hpu_mode: on Gaudi, the execution mode every rank imports ``habana_frameworks`` in: ``"eager"``
             (torch.compile, Habana's default) or ``"lazy"``; default ``PT_HPU_LAZY_MODE`` (unset: eager). Exported
@@ -70,6 +77,7 @@ class DistributedRunner:
         timeout: float | None = None,
         tail_lines: int = 20,
         hpu_mode: str | None = None,
+        link_timeout: float = 60.0,
     ) -> None:
         self.command_list = [command_list] if isinstance(command_list, str) else list(command_list)
         if not self.command_list:
@@ -80,8 +88,10 @@ class DistributedRunner:
         if isinstance(tail_lines, bool) or not isinstance(tail_lines, int) or tail_lines < 0:
             raise ValueError(f"tail_lines={tail_lines!r}: pass a whole number >= 0.")
         self.commands = [plan.split_command(c) for c in self.command_list]
+        rdzv = rendezvous_timeout(os.environ) if os.environ.get(TIMEOUT_ENV) else None  # checked now, not on a rank
         self.spec = plan.resolve(world_size, hostfile, use_mpi, use_deepspeed, master_port, master_addr, node_rank,
-                                 stop_timeout, hpu_mode)  # type: ignore[arg-type]  # resolve checks the value
+                                 stop_timeout, hpu_mode, link_timeout,  # type: ignore[arg-type]  # resolve checks it
+                                 rdzv)
         self.use_mpi, self.use_deepspeed = use_mpi, use_deepspeed
         self.log_dir = Path(log_dir) if log_dir is not None else None
         if self.log_dir is not None:
@@ -123,10 +133,11 @@ class DistributedRunner:
     def stop_timeout(self) -> float:
         return self.spec.stop_timeout
 
-    def build_command(self, command: str | Sequence[str], master_port: int | None = None) -> list[str]:
-        """The argv that launches ``command`` on every rank (no shell involved)."""
+    def build_command(self, command: str | Sequence[str], master_port: int | None = None,
+                      args_file: Path | None = None) -> list[str]:
+        """The argv that launches ``command`` on every rank (no shell involved on this host)."""
         user = plan.split_command(command) if isinstance(command, str) else list(command)
-        return plan.launch_argv(self.spec, user, master_port or self.master_port, plan.Machine.this())
+        return plan.launch_argv(self.spec, user, master_port or self.master_port, plan.Machine.this(), args_file)
 
     def _environment(self, run_dir: Path, token: str, port: int) -> dict[str, str]:
         env = plan.launch_env(self.spec, os.environ, run_dir, token, port, plan.Machine.this())
@@ -135,7 +146,7 @@ class DistributedRunner:
             name = os.environ.get(plan.DEEPSPEED_ENV_FILE, ".deepspeed_env")
             user = [Path(d, name) for d in (Path.home(), Path.cwd())]
             lines = "".join(p.read_text() for p in user if p.is_file())
-            (run_dir / plan.DEEPSPEED_ENV_NAME).write_text(plan.deepspeed_env_text(env, lines))
+            _write_private(run_dir / plan.DEEPSPEED_ENV_NAME, plan.deepspeed_env_text(env, lines))
         return env
 
     def _check_launcher_installed(self) -> None:
@@ -165,6 +176,13 @@ class DistributedRunner:
             " (pass --master_port to choose one).")
         return port
 
+    def _no_rank_hint(self, port: int) -> str:
+        if self.launcher != "torchrun" or self.spec.hosts is None or self.node_rank is None:
+            return ""
+        limit = self.spec.rendezvous_timeout or DEFAULT_TIMEOUT
+        return (f"no rank started: torchrun's rendezvous of {len(self.spec.hosts)} nodes at {self.master_addr}:{port}"
+                f" did not complete within {limit:g} s ({TIMEOUT_ENV}); is every node started? {HOW_TO_START}")
+
     def run(self) -> int:
         """Run every command; return the first non-zero exit code (128+N for a rank killed by signal N), else 0."""
         self._check_launcher_installed()
@@ -182,19 +200,43 @@ class DistributedRunner:
         if self.log_dir is not None:  # a fresh directory per run: records of an earlier run must not be read
             run_dir = self.log_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{token[:6]}-cmd{index}"
             try:
-                run_dir.mkdir(parents=True)
+                run_dir.parent.mkdir(parents=True, exist_ok=True)
+                run_dir.mkdir(mode=0o700)
             except OSError as err:  # e.g. under /proc, where the access check above cannot tell
                 where = err.filename if err.filename is not None else run_dir
                 raise ValueError(f"log_dir={str(self.log_dir)!r}: cannot create {where} ({err.strerror}); pass a"
                                  " directory you can write to.") from None
             keep = True
-        else:
-            run_dir, keep = Path(tempfile.mkdtemp(prefix="lgds-run-")), False
-        port = self._choose_port()
-        argv = self.build_command(user, port)
-        say(f"{self.launcher}, world size {self.world_size}: {shlex.join(argv)}")
-        supervisor = Supervisor(self.stop_timeout, self.timeout, self.tail_lines)
-        return supervisor.run(argv, self._environment(run_dir, token, port), run_dir, token, keep)
+        else:  # mkdtemp: mode 0700
+            shared = Path.cwd() if self.spec.across_hosts else None
+            run_dir, keep = Path(tempfile.mkdtemp(prefix=".lgds-run-" if shared else "lgds-run-", dir=shared)), False
+        private = []  # removed at the end whatever happens: the env file may carry tokens from this environment
+        try:
+            port = self._choose_port()
+            args_file = None
+            if self.spec.across_hosts:  # no remote shell parses the arguments: every shim reads them from here
+                args_file = run_dir / plan.ARGS_NAME
+                private.append(args_file)
+                _write_private(args_file, json.dumps(user))
+            argv = self.build_command(user, port, args_file)
+            private.append(run_dir / plan.DEEPSPEED_ENV_NAME)
+            env = self._environment(run_dir, token, port)
+            say(f"{self.launcher}, world size {self.world_size}: {shlex.join(argv)}")
+            supervisor = Supervisor(self.stop_timeout, self.timeout, self.tail_lines, self.spec.hosts,
+                                    self._no_rank_hint(port))
+            return supervisor.run(argv, env, run_dir, token, keep)
+        finally:
+            for path in private:
+                path.unlink(missing_ok=True)
+            if not keep:
+                shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a new file only this user can read (0600)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -212,6 +254,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log_dir", default=None, help="keep per-rank logs here (default: a temporary directory)")
     parser.add_argument("--stop_timeout", type=float, default=10.0,
                         help="seconds between SIGTERM and SIGKILL when stopping ranks (default 10)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="stop the job after this many seconds (exit code 124; default: no limit)")
+    parser.add_argument("--link_timeout", type=float, default=60.0,
+                        help="pdsh/mpirun over ssh: a host silent this long (lost node or link) ends the job"
+                             " (default 60)")
     parser.add_argument("--hpu_mode", choices=("eager", "lazy"), default=None,
                         help="Gaudi execution mode for every rank (default: PT_HPU_LAZY_MODE, unset = eager)")
     parser.add_argument("-m", "--module", action="store_true", help="the script is a module name (python -m)")
@@ -227,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
             [shlex.join(argv)], world_size=args.world_size, hostfile=args.hostfile, use_mpi=args.use_mpi,
             use_deepspeed=args.use_deepspeed, master_port=args.master_port, master_addr=args.master_addr,
             node_rank=args.node_rank, log_dir=args.log_dir, stop_timeout=args.stop_timeout, hpu_mode=args.hpu_mode,
+            timeout=args.timeout, link_timeout=args.link_timeout,
         )
         return runner.run()
     except (ValueError, RuntimeError) as err:

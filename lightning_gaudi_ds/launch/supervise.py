@@ -15,8 +15,10 @@ import functools
 import io
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,7 +30,14 @@ from typing import IO, Any, cast
 
 import psutil
 
-from lightning_gaudi_ds.launch._proc import describe_exit, exit_code, say, signal_when_parent_dies
+from lightning_gaudi_ds.launch._proc import (
+    HEARTBEAT_NAME,
+    describe_exit,
+    exit_code,
+    say,
+    signal_when_parent_dies,
+)
+from lightning_gaudi_ds.launch.hostfile import Host
 from lightning_gaudi_ds.launch.plan import RUN_ID_ENV
 
 
@@ -58,10 +67,15 @@ class Supervisor:
         stop_timeout: seconds between SIGTERM and SIGKILL when stopping the job.
         timeout: stop the job after this many seconds (exit code 124); None waits forever.
         tail_lines: lines of a failed rank's output to print.
+        hosts: the hostfile's hosts, in rank order: which ranks a host that is lost had.
+        no_rank_hint: said when the launcher fails before any rank started (torchrun's rendezvous timed out).
     """
 
-    def __init__(self, stop_timeout: float = 10.0, timeout: float | None = None, tail_lines: int = 20) -> None:
+    def __init__(self, stop_timeout: float = 10.0, timeout: float | None = None, tail_lines: int = 20,
+                 hosts: Sequence[Host] | None = None, no_rank_hint: str = "") -> None:
         self.stop_timeout = stop_timeout
+        self.no_rank_hint = no_rank_hint
+        self.hosts = list(hosts) if hosts is not None else None
         self.timeout = timeout
         self.tail_lines = tail_lines
         self._stop_signal: int | None = None
@@ -83,11 +97,13 @@ class Supervisor:
                             if threading.active_count() == 1 else None),
             )
             relay = _Relay(launcher.stdout, run_dir / "launcher.log")
+            heartbeat = _Heartbeat(run_dir / HEARTBEAT_NAME)
             failure, code = None, 1
             try:
-                failure, code = self._watch(launcher, run_dir, start)
+                failure, code = self._watch(launcher, run_dir, start, relay)
             finally:
                 stopped = self._stop(launcher, token, clean_exit=failure is None and code == 0)
+                heartbeat.stop()  # ranks on other hosts stop by themselves once it is gone
                 relay.join()
         elapsed = time.monotonic() - start
         if failure is not None:
@@ -99,30 +115,56 @@ class Supervisor:
             say(f"{len(stopped.pids)} process(es) of the job outlived the launcher and were stopped: {stopped.pids}")
         if code == 0 and not keep_logs:
             shutil.rmtree(run_dir, ignore_errors=True)
-        elif code != 0:
+        elif code != 0 and keep_logs:
             say(f"per-rank logs: {run_dir}")
         return code
 
-    def _watch(self, launcher: subprocess.Popen, run_dir: Path, start: float) -> tuple[Failure | None, int]:
+    def _watch(self, launcher: subprocess.Popen, run_dir: Path, start: float,
+               relay: _Relay) -> tuple[Failure | None, int]:
         ranks = _RankTable(run_dir)
         while True:
+            lost = self._lost_host(ranks, relay, run_dir)
+            if lost is not None:
+                return lost, lost.returncode
             if self._stop_signal is not None:
                 sig = self._stop_signal
                 say(f"received {signal.Signals(sig).name}: stopping every rank.")
                 return None, 128 + sig
             failure = ranks.first_failure()
             if failure is not None:
+                if failure.returncode == 128 + signal.SIGTERM and self.hosts is not None:
+                    # Stopped, not the cause: mpirun ends its ranks so when it loses a host. Let it say so first.
+                    try:
+                        launcher.wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        pass
+                    relay.join(timeout=2)
+                    failure = self._lost_host(ranks, relay, run_dir) or failure
                 return failure, failure.returncode
             code = launcher.poll()
             if code is not None:
                 failure = ranks.first_failure()  # the shims wrote their records before exiting
                 if failure is None and code != 0:
-                    failure = Failure(None, exit_code(code), f"the launcher exited with {describe_exit(code)}",
-                                      run_dir / "launcher.log")
+                    hint = "" if ranks.records() or not self.no_rank_hint else f"; {self.no_rank_hint}"
+                    failure = Failure(None, exit_code(code), f"the launcher exited with {describe_exit(code)}"
+                                      f"{ranks.silent_hosts(self.hosts)}{hint}", run_dir / "launcher.log")
                 return failure, 0 if failure is None else failure.returncode
             if self.timeout is not None and time.monotonic() - start > self.timeout:
                 return Failure(None, 124, f"the job ran past timeout={self.timeout:g} s", None), 124
             time.sleep(0.1)
+
+    def _lost_host(self, ranks: _RankTable, relay: _Relay, run_dir: Path) -> Failure | None:
+        """A host the launcher lost: named by pdsh, or (mpirun, which does not name it) the other hosts whose ranks
+        gave no exit status."""
+        if relay.lost:
+            names = relay.lost
+        elif relay.daemon_lost:
+            names = ranks.silent_host_names(self.hosts)
+        else:
+            return None
+        return Failure(None, LOST_HOST_EXIT, f"{ranks.describe_hosts(self.hosts, names)} unreachable: its ssh"
+                       " session ended (no answer to ssh keepalives within link_timeout, or no connection)",
+                       run_dir / "launcher.log")
 
     def _stop(self, launcher: subprocess.Popen, token: str, clean_exit: bool) -> Stopped:
         """End every process of the job: SIGTERM, then SIGKILL after ``stop_timeout`` s.
@@ -173,6 +215,49 @@ class _RankTable:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self.procs: dict[int, psutil.Process | None] = {}
+        self.host = socket.gethostname()
+
+    def records(self) -> dict[int, dict[str, Any]]:
+        found = {}
+        for path in self.run_dir.glob("rank*.json"):
+            try:
+                record = json.loads(path.read_text())
+                found[int(record["rank"])] = record
+            except (OSError, ValueError, KeyError):
+                continue
+        return found
+
+    @staticmethod
+    def describe_hosts(hosts: Sequence[Host] | None, names: Sequence[str]) -> str:
+        """``host n1 (rank 1)``, ``host n1 (ranks 2-3)``, for the hostfile's ``names``."""
+        first, described = 0, []
+        for host in hosts or []:
+            ranks = range(first, first + host.slots)
+            first += host.slots
+            if host.name in names:
+                span = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+                described.append(f"host {host.name} ({span})")
+        return ", ".join(described) or ", ".join(f"host {name}" for name in names)
+
+    def silent_host_names(self, hosts: Sequence[Host] | None) -> list[str]:
+        """The other hosts of ``hosts`` with a rank that never recorded an exit status."""
+        records, first, lost = self.records(), 0, []
+        for host in hosts or []:
+            ranks = range(first, first + host.slots)
+            first += host.slots
+            if host.name in (self.host, socket.getfqdn()):
+                continue  # this host's ranks: the supervisor sees them itself
+            if any("returncode" not in records.get(r, {}) for r in ranks):
+                lost.append(host.name)
+        return lost
+
+    def silent_hosts(self, hosts: Sequence[Host] | None) -> str:
+        """``; host n1 (ranks 2-3) gave no exit status ...`` for the other hosts whose ranks never reported an exit."""
+        lost = self.silent_host_names(hosts) if hosts and len(hosts) > 1 else []
+        if not lost:
+            return ""
+        return (f"; {self.describe_hosts(hosts, lost)} gave no exit status: unreachable (a lost node or link) or"
+                " killed")
 
     def first_failure(self) -> Failure | None:
         failures = []
@@ -190,11 +275,13 @@ class _RankTable:
                                      f"exited with {describe_exit(code)} (pid {record['child_pid']} on"
                                      f" {record['host']})", log)))
                 continue
-            if rank not in self.procs:
+            if rank not in self.procs and record.get("host") == self.host:
                 try:
                     self.procs[rank] = psutil.Process(int(record["pid"]))
                 except psutil.NoSuchProcess:
                     self.procs[rank] = None
+            if record.get("host") != self.host:
+                continue  # another host's process: its shim records its exit, or the launcher reports the host
             proc = self.procs[rank]
             if not _alive(proc) and "returncode" not in json.loads(path.read_text()):
                 failures.append((time.time(), Failure(rank, 128 + signal.SIGKILL,
@@ -247,12 +334,24 @@ def _tail(path: Path, lines: int) -> list[str]:
     return [line.rstrip("\r") for line in text.splitlines()[-lines:]]
 
 
+# pdsh's own line when the ssh session to a host fails: ssh exits 255 when it cannot connect or its keepalives go
+# unanswered (ServerAliveInterval x ServerAliveCountMax, set from link_timeout).
+_PDSH_LOST = re.compile(rb"^pdsh@[^:]+: ([^:\s]+): ssh exited with exit code 255", re.MULTILINE)
+# mpirun's own words when it loses the daemon (orted) of a host; it does not always name the host.
+_MPI_LOST = re.compile(rb"(ORTE|PRTE) (was unable to reliably start one or more daemons|has lost communication with"
+                       rb" a remote daemon)")
+LOST_HOST_EXIT = 255  # the job's exit code when a host is lost (ssh's own code for it)
+
+
 class _Relay(threading.Thread):
-    """Copies the launcher's output to our stdout and to a file."""
+    """Copies the launcher's output to our stdout and to a file, noting the hosts pdsh says it lost."""
 
     def __init__(self, stream: IO[bytes] | None, path: Path) -> None:
         super().__init__(daemon=True)
         self.stream, self.path = stream, path
+        self.lost: list[str] = []
+        self.daemon_lost = False
+        self._partial = b""
         self.start()
 
     def run(self) -> None:
@@ -260,6 +359,11 @@ class _Relay(threading.Thread):
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         with open(self.path, "ab") as log:
             for chunk in iter(lambda: stream.read1(65536), b""):
+                lines = self._partial + chunk
+                complete, _, self._partial = lines.rpartition(b"\n")
+                self.lost += [m.decode(errors="replace") for m in _PDSH_LOST.findall(complete)]
+                self.daemon_lost = self.daemon_lost or _MPI_LOST.search(complete) is not None
+                self._partial = self._partial[-4096:]
                 log.write(chunk)
                 log.flush()
                 try:
@@ -270,6 +374,37 @@ class _Relay(threading.Thread):
 
     def join(self, timeout: float | None = 5.0) -> None:
         super().join(timeout)
+
+
+class _Heartbeat(threading.Thread):
+    """A counter in the run directory, rewritten every second while the job is supervised. A rank on another host
+    stops its script when the file is gone (the supervisor has ended) or unchanged for the link timeout (a lost
+    link, or the supervisor's host is down): see the rank shim."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(daemon=True)
+        self.path, self.done = path, threading.Event()
+        self._beat(0)
+        self.start()
+
+    def _beat(self, count: int) -> None:
+        try:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(str(count))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass
+
+    def run(self) -> None:
+        count = 0
+        while not self.done.wait(1.0):
+            count += 1
+            self._beat(count)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join(timeout=5)
+        self.path.unlink(missing_ok=True)
 
 
 class _SignalTrap:

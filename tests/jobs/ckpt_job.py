@@ -130,12 +130,12 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def fit(spec: dict[str, Any], devices: int, pg_timeout: float) -> dict[str, Any]:
+def fit(spec: dict[str, Any], devices: int, pg_timeout: float, num_nodes: int = 1) -> dict[str, Any]:
     """One Trainer.fit as described by ``spec`` (keys of DEFAULTS plus ``name`` and ``dir``)."""
     spec = {**DEFAULTS, **spec}
     if spec["expect_error"]:
         try:
-            return {"returned": fit({**spec, "expect_error": False}, devices, pg_timeout)}
+            return {"returned": fit({**spec, "expect_error": False}, devices, pg_timeout, num_nodes)}
         except Exception as err:  # noqa: BLE001  (the test reads what was raised)
             return {"error": type(err).__name__, "bases": [c.__name__ for c in type(err).__mro__],
                     "message": str(err)}
@@ -152,12 +152,12 @@ def fit(spec: dict[str, Any], devices: int, pg_timeout: float) -> dict[str, Any]
     serving = {"tensor_parallel": {"tp_size": devices}} if spec["predict"] else {"stage": spec["stage"]}
     strategy = HPUDeepSpeedStrategy(**serving, timeout=timedelta(seconds=pg_timeout))
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, precision=spec["precision"],
+        accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, precision=spec["precision"],
         max_steps=spec["max_steps"], limit_val_batches=2 if spec["validate"] else 0, num_sanity_val_steps=0,
         logger=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoint, recorder],
     )
-    per_rank_batch = BATCH * 2 // devices  # the same global batch on 1 and 2 ranks
+    per_rank_batch = BATCH * 2 // (devices * num_nodes)  # the same global batch on 1 and 2 ranks
     started = time.monotonic()
     load = {"ckpt_path": spec["ckpt_path"], "weights_only": spec["load_weights_only"]}
     if spec["predict"]:
@@ -182,11 +182,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = job_parser(__doc__)
     parser.add_argument("--plan", required=True, help="JSON list of fit specs (see DEFAULTS), run in order")
     parser.add_argument("--pg-timeout", type=float, default=60, help="process-group timeout, seconds")
+    parser.add_argument("--num-nodes", type=int, default=1, help="nodes of the job (the multi-node tier)")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
-    results = {spec["name"]: fit(spec, args.devices, args.pg_timeout) for spec in json.loads(args.plan)}
-    write_result(args.out, int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))), results)
+    results = {spec["name"]: fit(spec, args.devices, args.pg_timeout, args.num_nodes)
+               for spec in json.loads(args.plan)}
+    local = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))
+    rank = os.environ.get("RANK", "0") if args.num_nodes > 1 else local
+    write_result(args.out, int(rank), results)
 
 
 if __name__ == "__main__":

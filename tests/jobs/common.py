@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any, Optional
 
@@ -202,5 +203,6 @@ def start_process() -> None:
 def write_result(out: str | Path, rank: int, result: dict[str, Any]) -> None:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    result = {**result, "host": socket.gethostname()}
     (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=repr))
     print(f"rank {rank} done pid={os.getpid()}", flush=True)
