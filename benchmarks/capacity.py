@@ -399,11 +399,18 @@ def search_rank(s: Settings, rank: int, world: int, work: Path) -> int:
         search = Search(max(1, plan["planner_layers"]), limit, s.tolerance)
         t0 = time.monotonic()
         trials, errors = [], []
+        base_tag = f"n{world}-{name}-base"
+        run_trial(s, c, 1, rank, world, work, base_tag)  # the fixed cost: peak with one layer
+        base = agree(work, base_tag, world, s.trial_timeout + 120)
+        baseline = max((r["peak_bytes"] or 0) for r in base) if all(r["outcome"] == "ok" for r in base) else None
         while (layers := search.next()) is not None:
             tag = f"n{world}-{name}-l{layers}"
             run_trial(s, c, layers, rank, world, work, tag)
             results = agree(work, tag, world, s.trial_timeout + 120)
             ok = all(r["outcome"] == "ok" for r in results)
+            if any(r["outcome"] == "oom" for r in results):  # the others' errors follow from it (peer gone)
+                for r in results:
+                    r["outcome"] = "peer" if r["outcome"] == "error" else r["outcome"]
             outcomes = sorted({r["outcome"] for r in results})
             errors += [r["error"] for r in results if r["outcome"] == "error" and "error" in r]
             peak = max((r["peak_bytes"] or 0) for r in results)
@@ -417,10 +424,13 @@ def search_rank(s: Settings, rank: int, world: int, work: Path) -> int:
                 break  # not a memory limit: report it, do not search on
         if name == "ddp":
             ddp_layers = search.lo
-        rows.append({"type": "capacity", "world_size": world, "config": name, "label": c.label,
+        zero = zero_config(s, c, "nvme")["zero_optimization"] if c.stage is not None else {}
+        rows.append({"type": "capacity", "world_size": world, "config": name, "label": c.label, "hidden": s.hidden,
+                     "zero": {k: v for k, v in zero.items() if isinstance(v, (int, float, bool))},
                      "largest_layers": search.lo, "largest_params": s.params(search.lo) if search.lo else 0,
                      "smallest_failing_layers": search.hi, "at_search_limit": search.hi is None,
                      "search_limit_layers": limit, **plan, "paper_ratio": paper_ratio(c, world, s.precision),
+                     "baseline_peak_bytes": baseline,
                      "errors": errors[:2], "trials": trials, "seconds": round(time.monotonic() - t0, 1)})
     if rank == 0:
         (work / f"rows-n{world}.json").write_text(json.dumps(rows))
@@ -432,6 +442,13 @@ def derive(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Ratios to DDP's largest at the same N, and the planner's error."""
     ddp = {r["world_size"]: r["largest_params"] for r in rows if r["config"] == "ddp"}
     for r in rows:
+        if all("oom" in t["outcomes"] for t in r["trials"] if "error" in t["outcomes"]):
+            r["errors"] = []  # a rank OOM-killed: the others lose their peer (results of before that rule)
+        r["planner_bpp"] = planner_bytes_per_param(r)
+        ok = [t for t in r["trials"] if t["ok"] and t["layers"] == r["largest_layers"]]
+        base, psi1 = r.get("baseline_peak_bytes"), r["largest_params"] / max(r["largest_layers"], 1)
+        r["measured_bpp"] = ((ok[0]["peak_bytes"] - base) / (r["largest_params"] - psi1)
+                             if ok and base and r["largest_layers"] > 1 else None)
         base = ddp.get(r["world_size"])
         r["ratio_to_ddp"] = r["largest_params"] / base if base else None
         r["planner_error"] = (r["planner_params"] / r["largest_params"] - 1) if r["largest_params"] else None
@@ -439,14 +456,33 @@ def derive(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def planner_bytes_per_param(row: dict[str, Any]) -> float | None:
+    """The planner's device bytes per parameter at the row's largest size (buckets and all)."""
+    from lightning_gaudi_ds.planning import Buckets, ModelSpec, plan_memory
+
+    meta_hidden = row.get("hidden")
+    if not meta_hidden or not row["largest_layers"]:
+        return None
+    c, layers = CONFIGS[row["config"]], row["largest_layers"]
+    spec = ModelSpec(params=layers * (meta_hidden**2 + meta_hidden), hidden_size=meta_hidden,
+                     param_numels=(meta_hidden**2, meta_hidden) * layers)
+    zero = row.get("zero") or {}
+    (r,) = plan_memory(spec, devices=row["world_size"], buckets=Buckets.for_model(meta_hidden, zero, "cpu"),
+                       configurations=[c.plan_key], device_type="cpu")
+    return r["device_bytes"] / spec.params
+
+
 def _fmt(value: float | None, spec: str = ".2f", none: str = "–") -> str:
     return none if value is None else format(value, spec)
 
 
 def write_report(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> str:
+    for r in rows:
+        r.setdefault("hidden", meta["hidden"])
     rows = derive(rows)
     head = ["N", "configuration", "largest trained (params)", "layers", "first failing layers", "÷ DDP",
-            "paper's ÷ DDP", "÷ paper's", "planner's largest (params)", "planner ÷ measured − 1", "peak of largest"]
+            "paper's ÷ DDP", "÷ paper's", "planner's largest (params)", "planner ÷ measured − 1", "peak of largest",
+            "peak with 1 layer", "measured B/param above it", "planner's B/param"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     csv = [",".join(["world_size", "config", "largest_params", "largest_layers", "smallest_failing_layers",
                      "ratio_to_ddp", "paper_ratio", "of_paper", "planner_params", "planner_error",
@@ -461,7 +497,9 @@ def write_report(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) ->
         lines.append("| " + " | ".join([
             str(r["world_size"]), r["label"], largest, str(r["largest_layers"]), failing,
             _fmt(r["ratio_to_ddp"]), _fmt(r["paper_ratio"]), _fmt(r["of_paper"]), f"{r['planner_params']:,}",
-            _fmt(r["planner_error"], "+.1%"), format_bytes(peak) if peak else "–"]) + " |")
+            _fmt(r["planner_error"], "+.1%"), format_bytes(peak) if peak else "–",
+            format_bytes(r["baseline_peak_bytes"]) if r.get("baseline_peak_bytes") else "–",
+            _fmt(r["measured_bpp"], ".1f"), _fmt(r["planner_bpp"], ".1f")]) + " |")
         csv.append(",".join(str(x) for x in [
             r["world_size"], r["config"], r["largest_params"], r["largest_layers"], r["smallest_failing_layers"] or "",
             _fmt(r["ratio_to_ddp"], ".4f", ""), _fmt(r["paper_ratio"], ".4f", ""), _fmt(r["of_paper"], ".4f", ""),
