@@ -30,6 +30,17 @@ if ! { [ -x /usr/sbin/sshd ] && command -v pdsh >/dev/null 2>&1; }; then
     echo "setup.sh: no sshd/pdsh and no apt-get: the multi-node tier (tests/multinode) will be skipped" >&2
   fi
 fi
+# libaio for DeepSpeed's async_io op (ZeRO-Infinity's NVMe offload; built with the other ops below).
+if [ ! -e /usr/include/libaio.h ]; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    { $SUDO apt-get update -qq >/dev/null \
+      && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libaio-dev >/dev/null; } \
+      || echo "setup.sh: libaio-dev could not be installed: NVMe offload (benchmarks/capacity.py) needs it" >&2
+  else
+    echo "setup.sh: no libaio.h and no apt-get: install libaio-dev yourself for NVMe offload" >&2
+  fi
+fi
 DS_PIN=${LIGHTNING_GAUDI_DS_DEEPSPEED:-}
 VENV=.venv${DS_PIN:+-deepspeed-$DS_PIN}
 if [ ! -x "$VENV/bin/pip" ]; then  # pip, not python: a half-made venv (no ensurepip) is made again
@@ -49,12 +60,14 @@ python requirements/lockcheck.py "$LOCK"
 pipq --require-hashes -r "$LOCK"
 pipq --no-deps --no-build-isolation -e .
 # DeepSpeed's C++ ops that it would otherwise JIT-compile on first use (the CPU shm comm op, cpu_adam for
-# ZeRO-Offload), built now so a first training run starts as fast as later ones; a no-op once built.
+# ZeRO-Offload, async_io for NVMe offload), built now so a first training run starts as fast as later ones; a no-op once built.
 # Without a compiler training still works (plain torch.distributed collectives). Skip: LIGHTNING_GAUDI_DS_SKIP_OP_BUILD=1
 # The build goes to the op cache training uses: TORCH_EXTENSIONS_DIR if set, else this environment's own
 # (<venv>/torch_extensions/py<ver>_<build>; torch's default is shared by every environment, which then rebuild
 # each other's). The package chooses it per build call; nothing needs exporting here.
+# The DeepSpeed-pinned tiers build only what their tests use (no NVMe offload there): async_io takes minutes.
+OPS=(); [ -n "$DS_PIN" ] && OPS=(deepspeed_shm_comm cpu_adam)
 if [ "${LIGHTNING_GAUDI_DS_SKIP_OP_BUILD:-0}" != "1" ]; then
-  python -m lightning_gaudi_ds.jit_ops build \
+  python -m lightning_gaudi_ds.jit_ops build "${OPS[@]}" \
     || echo "setup.sh: DeepSpeed ops not built (see above): training falls back to torch.distributed collectives; ZeRO-Offload needs cpu_adam" >&2
 fi

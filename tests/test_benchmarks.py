@@ -104,3 +104,58 @@ def test_quick_memory_benchmark(tmp_path: Path) -> None:
     fits = {r["arm"] for r in rows if r["type"] == "rss_fit"}
     assert fits == {"ddp", "z0", "z1", "z2", "z3"}
     assert (out / "table.md").read_text().count("|") > 50
+
+
+# ------------------------------------------------------------------------------------------ capacity (issue 27)
+def test_capacity_search_finds_the_boundary_from_either_side() -> None:
+    from capacity import Search
+
+    for guess, boundary in ((10, 37), (80, 37), (37, 37), (1, 1)):
+        search = Search(guess, limit=1000, tolerance=0.0)
+        while (layers := search.next()) is not None:
+            search.record(layers, layers <= boundary)
+        assert (search.lo, search.hi) == (boundary, boundary + 1), (guess, boundary)
+    capped = Search(5, limit=8, tolerance=0.05)
+    while (layers := capped.next()) is not None:
+        capped.record(layers, True)
+    assert (capped.lo, capped.hi) == (8, None)  # reported as "at the search limit", not as a boundary
+
+
+def test_capacity_refuses_to_measure_without_a_cgroup(monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import capacity
+
+    monkeypatch.setattr(capacity, "check_cgroups", lambda: "no memory cgroup controller: test")
+    assert capacity.main(["--world", "2", "--out", str(tmp_path)]) == capacity.EXIT_NO_CGROUP
+    assert "Not measuring" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+@pytest.mark.multiprocess
+def test_capacity_benchmark_runs_under_a_cap_and_writes_well_formed_rows(tmp_path: Path) -> None:
+    """benchmarks/capacity.py at a tiny size: 2 ranks, DDP and ZeRO-3, each rank in its own memory cgroup; the
+    cap binds (a trial over it is OOM-killed, none peaks above it), and the rows, table and CSV are well formed."""
+    import capacity
+
+    why = capacity.check_cgroups()
+    if why:
+        pytest.skip(f"no memory cgroup can be made here ({why}): the capacity benchmark refuses to run uncapped")
+    out = tmp_path / "cap"
+    job = run_job([sys.executable, str(REPO / "benchmarks" / "capacity.py"), "--world", "2", "--configs", "ddp", "z3",
+                   "--cap", "300MiB", "--hidden", "1024", "--steps", "2", "--tolerance", "0.5", "--max-layers", "16",
+                   "--out", str(out), "--no-readme"], timeout=900)
+    assert job.returncode == 0, job.output[-3000:]
+    lines = [json.loads(x) for x in (out / "capacity.jsonl").read_text().splitlines()]
+    rows = {r["config"]: r for r in lines if r["type"] == "capacity"}
+    assert set(rows) == {"ddp", "z3"} and all(r["world_size"] == 2 for r in rows.values())
+    ddp = rows["ddp"]
+    assert ddp["largest_layers"] >= 1 and (ddp["smallest_failing_layers"] or 0) > ddp["largest_layers"], ddp
+    outcomes = {o for t in ddp["trials"] for o in t["outcomes"]}
+    assert "oom" in outcomes and "ok" in outcomes, ddp["trials"]  # the cap binds: some size was OOM-killed
+    for row in rows.values():
+        assert all(0 < t["peak_bytes"] <= 300 * 2**20 for t in row["trials"]), row["trials"]
+        assert 0 < row["baseline_peak_bytes"] < 300 * 2**20 and row["largest_layers"] >= 1 and not row["errors"]
+        assert row["largest_params"] == row["largest_layers"] * (1024**2 + 1024) and row["planner_params"] > 0
+    assert rows["z3"]["paper_ratio"] == pytest.approx(2.0) and rows["ddp"]["paper_ratio"] == pytest.approx(1.0)
+    csv = (out / "capacity.csv").read_text().splitlines()
+    assert csv[0].startswith("world_size,config,largest_params") and len(csv) == 3
+    assert "| 2 | ZeRO-3 |" in (out / "capacity.md").read_text()

@@ -523,3 +523,40 @@ def test_auto_stage_picks_zero3_when_only_it_fits(tmp_path):
         probe = rank["probe"]  # built partitioned: each rank holds half of the large weights
         assert probe["stage3_large_local_numel"] * 2 == probe["stage3_large_numel"] > 0
         assert all(math.isfinite(x) for x in rank["step_losses"]) and rank["global_step"] == 4
+
+
+def test_buckets_take_the_communication_defaults_of_the_device_table():
+    """HPU's ZeRO-1/2 default is all-reduce (Habana's configs), CPU's and CUDA's reduce-to-owner: the planner
+    reads them from lightning_gaudi_ds/devices.py instead of assuming reduce-to-owner everywhere."""
+    assert not Buckets.for_model(None, device_type="hpu").reduce_to_owner
+    assert not Buckets.for_model(None, {"stage": 1}, device_type="hpu").reduce_to_owner
+    assert Buckets.for_model(None, device_type="cpu").reduce_to_owner
+    assert Buckets.for_model(None, device_type="cuda").reduce_to_owner
+    assert not Buckets.for_model(None, {"use_multi_rank_bucket_allreduce": True}, device_type="cpu").reduce_to_owner
+    assert Buckets.for_model(None, {"reduce_scatter": True, "use_multi_rank_bucket_allreduce": False},
+                             device_type="hpu").reduce_to_owner
+    # overlap_comm too: off on CPU and HPU, on for CUDA (two reduce buckets in ZeRO-1/2)
+    assert [Buckets.for_model(None, device_type=d).overlap_comm for d in ("cpu", "cuda", "hpu")] == [False, True, False]
+    for device, ratio in (("hpu", 1.5), ("cpu", 1.0), ("cuda", 1.0)):
+        rows = {r["stage"]: r for r in plan_memory(1e8, devices=8, device_type=device)
+                if not r["offload_optimizer"]}
+        for stage in (1, 2):
+            assert rows[stage]["comm_bytes"] == pytest.approx(ratio * rows[0]["comm_bytes"], rel=1e-6), (device, stage)
+
+
+def test_cli_params_alone_says_which_buckets_it_assumed_and_when_a_hidden_size_changes_the_answer(capsys):
+    from lightning_gaudi_ds.cli import main
+
+    base = ["plan", "--params", "5e6", "--devices", "2", "--host-memory", "8GiB", "--device", "cpu"]
+    main([*base, "--device-memory", "80MiB"])
+    out = capsys.readouterr().out
+    assert "bucket sizes assumed: Lightning's and DeepSpeed's defaults (reduce/allgather 200,000,000 elements" in out
+    assert "the answer changes (hidden size 64-2,048: ZeRO-1; here: nothing)" in out and "--hidden-size" in out
+    main([*base, "--device-memory", "1GiB"])
+    assert "gives the same answer (ZeRO-0)" in capsys.readouterr().out
+    main([*base, "--device-memory", "80MiB", "--hidden-size", "1024"])
+    out = capsys.readouterr().out
+    assert "bucket sizes assumed" not in out and "fastest that fits: ZeRO-1" in out
+    main([*base, "--device-memory", "80MiB", "--json"])
+    err = capsys.readouterr().err
+    assert "note: bucket sizes assumed" in err and "the answer changes" in err

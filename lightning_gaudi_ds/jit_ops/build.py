@@ -30,6 +30,7 @@ from lightning_gaudi_ds.jit_ops.locks import (
 
 SHM_COMM = "deepspeed_shm_comm"
 CPU_ADAM = "cpu_adam"
+ASYNC_IO = "async_io"
 BUILD_COMMAND = "lightning-gaudi-ds env --build-ops"
 
 
@@ -40,12 +41,15 @@ class OpSpec:
     name: str  # torch extension name = build directory name
     builder: str  # DeepSpeed builder class, resolved through the active DeepSpeed accelerator
     purpose: str
+    optional: str = ""  # what is missing without it, when training goes on without it (no failure then)
 
 
 OPS: dict[str, OpSpec] = {
     SHM_COMM: OpSpec(SHM_COMM, "ShareMemCommBuilder",
                      "CPU shared-memory all-reduce (deepspeed.comm.inference_all_reduce)"),
     CPU_ADAM: OpSpec(CPU_ADAM, "CPUAdamBuilder", "DeepSpeedCPUAdam, the optimizer step of ZeRO-Offload"),
+    ASYNC_IO: OpSpec(ASYNC_IO, "AsyncIOBuilder", "asynchronous file I/O of ZeRO-Infinity's NVMe offload",
+                     optional="NVMe offload (offload_param/offload_optimizer device 'nvme') needs libaio-dev"),
 }
 
 
@@ -175,7 +179,9 @@ def build_ops(names: Sequence[str] = tuple(OPS), say: Callable[[str], None] = sa
             results.append(BuildResult(name, True, 0.0, "not used by this DeepSpeed accelerator"))
             continue
         if not builder.is_compatible(verbose=False):
-            results.append(BuildResult(name, False, 0.0, f"not compatible here: {getattr(builder, 'error_log', '')}"))
+            why = f"not compatible here: {getattr(builder, 'error_log', '') or ''}".strip()
+            results.append(BuildResult(name, bool(spec.optional), 0.0,
+                                       f"{why} ({spec.optional})" if spec.optional else why))
             continue
         verb = "checking that it is up to date" if built_library(name) else "building it (1-2 min on 2 cores)"
         say(f"DeepSpeed op {name} ({spec.purpose}): {verb} in {build_dir(name)}")

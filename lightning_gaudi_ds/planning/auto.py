@@ -91,13 +91,15 @@ def plan_for_module(
     zero_config: Mapping[str, Any] | None = None,
     activation_bytes: int | None = None,
     spec: ModelSpec | None = None,
+    device_type: str | None = None,
 ) -> list[dict[str, Any]]:
-    """:func:`plan_memory` rows for the module, with bucket sizes as the strategy will resolve them."""
+    """:func:`plan_memory` rows for the module, with bucket sizes (and the device's communication defaults)
+    as the strategy will resolve them."""
     spec = spec or module_spec(module)
     return plan_memory(
         spec, devices=devices, nodes=nodes, precision=precision, device_memory=device_memory,
         host_memory=host_memory, headroom=auto.headroom, activation_bytes=activation_bytes,
-        buckets=Buckets.for_model(spec.hidden_size, zero_config),
+        buckets=Buckets.for_model(spec.hidden_size, zero_config, device_type),
     )
 
 
@@ -156,7 +158,7 @@ def decide(
         rows = plan_for_module(
             module, auto, devices=devices, nodes=nodes, precision=precision,
             device_memory=device_memory, host_memory=auto.host_memory or detect_host_memory(),
-            zero_config=zero_config(), activation_bytes=activations,
+            zero_config=zero_config(), activation_bytes=activations, device_type=device.type,
         )
         row = choose(rows)
         rank_zero_info(format_table(rows, type(module).__name__)

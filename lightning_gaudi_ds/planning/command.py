@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int, help="devices per node (default: the accelerators here, else 1)")
     parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
     parser.add_argument("--device-memory", help="memory per device, e.g. 96GiB (default: read from the device)")
+    parser.add_argument("--device", choices=("cpu", "cuda", "hpu"),
+                        help="device type whose communication defaults to assume (default: the device here)")
     parser.add_argument("--host-memory", help="memory per node, e.g. 1TiB (default: this machine's RAM)")
     parser.add_argument("--precision", default="bf16-mixed",
                         help="Lightning precision: bf16-mixed (default), 16-mixed, bf16-true, 16-true, 32-true")
@@ -108,12 +110,19 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         activations = None
         if args.measure_activations:
             activations = _measure(args, module, inputs)
-        rows = plan_memory(
-            spec, devices=args.devices if args.devices is not None else detect_device_count(), nodes=args.nodes,
-            precision=args.precision, optimizer=args.optimizer, device_memory=device_memory or detect_device_memory(),
-            host_memory=host_memory or detect_host_memory(), headroom=args.headroom,
-            activation_bytes=activations, buckets=Buckets.for_model(spec.hidden_size), param_groups=args.param_groups,
-        )
+
+        def plan(model: Any) -> list[dict[str, Any]]:
+            return plan_memory(
+                model, devices=args.devices if args.devices is not None else detect_device_count(args.device),
+                nodes=args.nodes, precision=args.precision, optimizer=args.optimizer,
+                device_memory=device_memory or detect_device_memory(args.device),
+                host_memory=host_memory or detect_host_memory(), headroom=args.headroom,
+                activation_bytes=activations, param_groups=args.param_groups,
+                buckets=Buckets.for_model(model.hidden_size, device_type=args.device),
+            )
+
+        rows = plan(spec)
+        note = bucket_note(spec, rows, plan) if spec.hidden_size is None else None
     except ValueError as err:
         raise _fail(str(err)) from None
     if args.json:
@@ -121,9 +130,45 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         out.write("\n")
         if rows[0]["device_memory"] is None:
             sys.stderr.write(f"note: {NO_DEVICE_MEMORY}\n")
+        if note:
+            sys.stderr.write(f"note: {note}\n")
     else:
-        out.write(format_table(rows, spec.name) + "\n")
+        out.write(format_table(rows, spec.name) + (f"\n{note}" if note else "") + "\n")
     return 0
+
+
+def _fastest_fitting(rows: Sequence[dict[str, Any]]) -> str:
+    return next((r["label"] for r in rows if r["fits"]), "nothing")
+
+
+def bucket_note(spec: Any, rows: Sequence[dict[str, Any]], plan: Any) -> str:
+    """What the bucket sizes were without a hidden size, and whether a hidden size (``--hidden-size``,
+    ``--model``) would change which configuration fits: the strategy (and ``stage="auto"``) sizes DeepSpeed's
+    buckets from the model's hidden size h (h² elements), not with the 200M-element defaults used here."""
+    import dataclasses
+    import math
+
+    b = rows[0]["buckets"]
+    note = (f"bucket sizes assumed: Lightning's and DeepSpeed's defaults (reduce/allgather {b['reduce_bucket_size']:,}"
+            f" elements, ZeRO-3 prefetch {b['stage3_prefetch_bucket_size']:,}): no hidden size is known. The strategy"
+            " (and stage='auto') sizes them from the model's hidden size h (h² elements).")
+    if rows[0]["device_memory"] is None:
+        return note
+    here = _fastest_fitting(rows)
+    # hidden sizes from 64 up to one matrix holding every parameter, doubling
+    sizes = [2**k for k in range(6, max(7, int(math.log2(math.isqrt(spec.params))) + 1))]
+    answers = [(h, _fastest_fitting(plan(dataclasses.replace(spec, hidden_size=h)))) for h in sizes]
+    if all(answer == here for _, answer in answers):
+        return note + f" A hidden size of {sizes[0]:,}-{sizes[-1]:,} gives the same answer ({here})."
+    ranges: list[tuple[int, int, str]] = []
+    for h, answer in answers:
+        if ranges and ranges[-1][2] == answer:
+            ranges[-1] = (ranges[-1][0], h, answer)
+        else:
+            ranges.append((h, h, answer))
+    parts = "; ".join(f"hidden size {lo:,}{f'-{hi:,}' if hi != lo else ''}: {answer}" for lo, hi, answer in ranges)
+    return (note + f" With buckets sized from the model the answer changes ({parts}; here: {here}): pass"
+            " --hidden-size or --model for this model's own.")
 
 
 

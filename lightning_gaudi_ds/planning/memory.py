@@ -32,7 +32,8 @@ Bytes sent per rank per step assume ring collectives (NCCL, HCCL): an all-reduce
 gradient buckets (DeepSpeed's default ``use_multi_rank_bucket_allreduce``) and all-gather the updated
 parameters; ZeRO-3 all-gathers parameters in forward and again in backward and reduce-scatters gradients.
 ZeRO-1/2 reduce each gradient slice to its owner instead of all-reducing it where the config says so
-(``reduce_scatter`` on, ``use_multi_rank_bucket_allreduce`` off: the strategy's CPU and CUDA default), which
+(``reduce_scatter`` on, ``use_multi_rank_bucket_allreduce`` off: the strategy's CPU and CUDA default; on HPU
+it all-reduces, Habana's configs; :meth:`Buckets.for_model` reads the device table), which
 sends 2M(N-1)/N in all, as DDP does. ZeRO-3 and the offload paths are upper bounds: DeepSpeed keeps gathered
 parameters through backward while they are within ``stage3_max_reuse_distance``, and ZeRO-Offload's gradient
 path may reduce to the owner too.
@@ -106,13 +107,23 @@ class Buckets:
     reduce_to_owner: bool = True  # ZeRO-1/2 gradients: reduce to the owning rank (else all-reduce each bucket)
 
     @classmethod
-    def for_model(cls, hidden_size: int | None, zero_config: Mapping[str, Any] | None = None) -> Buckets:
+    def for_model(cls, hidden_size: int | None, zero_config: Mapping[str, Any] | None = None,
+                  device_type: str | None = None) -> Buckets:
         """The strategy's sizes: from the hidden size when known (its ``"auto"`` rule), else Lightning's
-        defaults; keys of a ``zero_optimization`` section given as numbers override both."""
+        defaults; keys of a ``zero_optimization`` section given as numbers override both. The communication
+        keys the config leaves unset (``overlap_comm``, how ZeRO-1/2 reduce gradients) take the strategy's
+        defaults for ``device_type`` (the device table, :mod:`lightning_gaudi_ds.devices`; ``None``: the device
+        here), for the config's stage (ZeRO-2 when it names none), else DeepSpeed's."""
         bucket_sizes = sizing().bucket_sizes
         values: dict[str, Any] = {}
         if hidden_size:
             values = {k.rsplit(".", 1)[-1]: v for k, v in bucket_sizes(hidden_size).items()}
+        zero = zero_config or {}
+        setting = _device_zero_setting(zero, device_type)
+        values["overlap_comm"] = bool(setting("overlap_comm", None))
+        # DeepSpeed 0.19 all-reduces ZeRO-1/2 buckets unless reduce_scatter is on and multi-rank all-reduce off
+        values["reduce_to_owner"] = bool(setting("reduce_scatter", True)) and not setting(
+            "use_multi_rank_bucket_allreduce", True)
         for key, value in (zero_config or {}).items():
             if key in cls.__dataclass_fields__ and isinstance(value, (int, float, bool)):
                 values[key] = type(getattr(cls, key))(value)
@@ -120,12 +131,26 @@ class Buckets:
             pin = ((zero_config or {}).get(key) or {}).get("pin_memory")
             if isinstance(pin, bool):
                 values["pin_memory"] = pin
-        zero = zero_config or {}
-        # An unset key takes the strategy's device default (reduce to the owner on CPU and CUDA).
-        values["reduce_to_owner"] = not (
-            zero.get("reduce_scatter") is False or zero.get("use_multi_rank_bucket_allreduce") is True
-        )
         return cls(**values)
+
+
+def _device_zero_setting(zero: Mapping[str, Any], device_type: str | None) -> Any:
+    """``setting(key, deepspeed_default)``: the config's value, else the device table's for the config's stage,
+    else DeepSpeed's default (``overlap_comm``: on for ZeRO-3 only)."""
+    from lightning_gaudi_ds.devices import detect_device_type, device_spec
+
+    stage = zero.get("stage")
+    stage = stage if stage in (0, 1, 2, 3) and not isinstance(stage, bool) else 2
+    defaults = device_spec(device_type or detect_device_type()).zero_defaults.get(stage, {})
+
+    def setting(key: str, deepspeed_default: Any) -> Any:
+        if isinstance(zero.get(key), bool):
+            return zero[key]
+        if key in defaults:
+            return defaults[key][0]
+        return stage == 3 if key == "overlap_comm" else deepspeed_default
+
+    return setting
 
 
 @dataclass
@@ -322,6 +347,7 @@ def plan_memory(
     buckets: Buckets | None = None,
     param_groups: int = 1,
     configurations: Sequence[tuple[int, bool, bool]] = CONFIGURATIONS,
+    device_type: str | None = None,
 ) -> list[dict[str, Any]]:
     """Predicted bytes per rank for ZeRO stages 0-3 with and without offload, fastest configuration first.
 
@@ -335,7 +361,8 @@ def plan_memory(
         headroom: fraction of each memory kept free (allocator fragmentation, the framework's own use).
         activation_bytes: measured peak activation bytes of one micro batch (see
             :func:`~lightning_gaudi_ds.planning.activations.measure_activation_bytes`); ``None``: not included.
-        buckets: DeepSpeed's bucket settings; default: the strategy's, sized from the model's hidden size.
+        buckets: DeepSpeed's bucket settings; default: the strategy's, sized from the model's hidden size, with
+            ``device_type``'s communication defaults (``"cpu"``, ``"cuda"``, ``"hpu"``; ``None``: the device here).
         param_groups: the optimizer's parameter groups (more than one keeps ZeRO-1/2's gradient buffer
             through the step).
 
@@ -356,7 +383,7 @@ def plan_memory(
         raise ValueError(f"headroom={headroom!r} must lie in [0, 1): the fraction of memory kept free")
     dev_mem = parse_bytes(device_memory, "device_memory") if device_memory is not None else None
     host_mem = parse_bytes(host_memory, "host_memory") if host_memory is not None else None
-    buckets = buckets or Buckets.for_model(spec.hidden_size)
+    buckets = buckets or Buckets.for_model(spec.hidden_size, device_type=device_type)
     world = devices * nodes
     psi = float(spec.params)
     frozen = spec.frozen_params / psi if psi else 0.0
