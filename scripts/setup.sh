@@ -60,13 +60,14 @@ python requirements/lockcheck.py "$LOCK"
 pipq --require-hashes -r "$LOCK"
 pipq --no-deps --no-build-isolation -e .
 # DeepSpeed's C++ ops that it would otherwise JIT-compile on first use (the CPU shm comm op, cpu_adam for
-# ZeRO-Offload, async_io for NVMe offload), built now so a first training run starts as fast as later ones; a no-op once built.
+# ZeRO-Offload), built now so a first training run starts as fast as later ones; a no-op once built.
 # Without a compiler training still works (plain torch.distributed collectives). Skip: LIGHTNING_GAUDI_DS_SKIP_OP_BUILD=1
 # The build goes to the op cache training uses: TORCH_EXTENSIONS_DIR if set, else this environment's own
 # (<venv>/torch_extensions/py<ver>_<build>; torch's default is shared by every environment, which then rebuild
 # each other's). The package chooses it per build call; nothing needs exporting here.
-# The DeepSpeed-pinned tiers build only what their tests use (no NVMe offload there): async_io takes minutes.
-OPS=(); [ -n "$DS_PIN" ] && OPS=(deepspeed_shm_comm cpu_adam)
+# async_io (NVMe offload) is not built here: about 6 min on 2 cores and no test uses it. Build it once with
+# `python -m lightning_gaudi_ds.jit_ops build async_io`; benchmarks/capacity.py builds it before its NVMe trials.
+OPS=(deepspeed_shm_comm cpu_adam)
 if [ "${LIGHTNING_GAUDI_DS_SKIP_OP_BUILD:-0}" != "1" ]; then
   python -m lightning_gaudi_ds.jit_ops build "${OPS[@]}" \
     || echo "setup.sh: DeepSpeed ops not built (see above): training falls back to torch.distributed collectives; ZeRO-Offload needs cpu_adam" >&2
