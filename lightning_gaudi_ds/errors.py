@@ -36,10 +36,6 @@ class ConfigNotFoundError(ConfigError, FileNotFoundError):
     """The DeepSpeed config path does not exist (Lightning: ``MisconfigurationException``)."""
 
 
-class HostfileError(ValueError):
-    """A hostfile line that DeepSpeed's and Open MPI's runners would refuse or misread."""
-
-
 # ---------------------------------------------------------------------------------------- checkpoints
 class CheckpointError(MisconfigurationException, ValueError):
     """The path is not a usable DeepSpeed ZeRO checkpoint; the message says why and what to do. A
@@ -68,3 +64,8 @@ class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
 # ------------------------------------------------------------------------------------------- op builds
 class BuildLockError(RuntimeError):
     """A torch extension build lock that cannot be judged safe to wait on or to clear."""
+
+
+# The launcher's own error is defined beside the hostfile parser, which `lightning-gaudi-ds spawn --help` imports
+# without Lightning or torch (this module imports Lightning for MisconfigurationException); re-exported here.
+from lightning_gaudi_ds.launch.hostfile import HostfileError  # noqa: E402
