@@ -180,8 +180,13 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, forward)
         link = os.environ.get(LINK_TIMEOUT_ENV)
+
+        def supervisor_lost() -> None:
+            forward(signal.SIGTERM, None)
+            _end_orphaned_daemon()
+
         if link:
-            _watch_supervisor(directory / HEARTBEAT_NAME, float(link), lambda: forward(signal.SIGTERM, None))
+            _watch_supervisor(directory / HEARTBEAT_NAME, float(link), supervisor_lost)
         pump = threading.Thread(target=_pump, args=(read_fd, log), daemon=True)
         pump.start()
         returncode = child.wait()
@@ -190,6 +195,22 @@ def main(argv: list[str] | None = None) -> int:
     record["returncode"] = returncode
     _write_json(record_path, record)
     return exit_code(returncode)
+
+
+def _end_orphaned_daemon() -> None:
+    """The supervisor is lost: end the Open MPI daemon (``orted``) that started this rank, if one did. Behind a lost
+    link it cannot reach mpirun, and would wait a minute or more on TCP before ending by itself; on SIGTERM it stops
+    its ranks (this shim passes the signal on) and exits."""
+    parent = os.getppid()
+    try:
+        name = Path(f"/proc/{parent}/comm").read_text().strip()
+    except OSError:  # not Linux, or the parent is gone
+        return
+    if name == "orted":
+        try:
+            os.kill(parent, signal.SIGTERM)
+        except OSError:
+            pass
 
 
 if __name__ == "__main__":

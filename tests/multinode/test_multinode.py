@@ -133,15 +133,18 @@ LINK_TIMEOUT = 6  # s: ssh keepalives every 2 s, 3 missed end the session
 def test_partition_ends_every_process_within_the_bound(clean: Cluster, tmp_path: Path, flag: str) -> None:
     """n1's link goes down mid-job: the launcher exits non-zero within the bound, naming n1 and its rank, and once the
     link is back nothing of the job is left on either host."""
+    # orted's TCP keepalives do not help while it has data unacknowledged (CI saw n1's orted live 68 s after a cut):
+    # switched off here, so the bound holds by the rank shim ending its orted once the supervisor is lost.
+    env = {"OMPI_MCA_oob_tcp_keepalive_time": "600"} if flag == "--use_mpi" else None
     job = spawn(clean, 0, "--hostfile", str(clean.hostfile(1)), flag, "--master_port", "0", "--stop_timeout", "3",
-                "--link_timeout", str(LINK_TIMEOUT), COLLECTIVE, "--pg-timeout", "300")
+                "--link_timeout", str(LINK_TIMEOUT), COLLECTIVE, "--pg-timeout", "300", env=env)
     job.wait_for("rank 1 on n1: step 3", timeout=120)
     cut = time.monotonic()
     clean.hosts[1].link(False)
     result = job.wait(timeout=120)
     ended = time.monotonic() - cut
     n1_left = clean.hosts[1].processes()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 30
     while len(n1_left) > 0 and time.monotonic() < deadline:  # n1's side ends by itself, with the link still down
         time.sleep(0.5)
         n1_left = [p for p in clean.hosts[1].processes() if "sshd" not in p[1]]
