@@ -22,7 +22,15 @@ FORK_TIER = (
 )
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak", action="store_true",
+                     help="also run the soak loops (marker slow: many jobs in a row, ten minutes or more; not in CI)")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    soak = config.getoption("--soak")
     for item in items:
         if item.nodeid.startswith(FORK_TIER):
             item.add_marker(pytest.mark.fork_tier)
+        if "slow" in item.keywords and not soak:
+            item.add_marker(pytest.mark.skip(reason="a soak loop: run with --soak"))
