@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 ARGV_JOB = str(HERE / "argv_job.py")
 TRAIN = str(JOBS / "train_job.py")
 JOB_TIMEOUT_S = 300
-LOSSES: dict[str, list[list[float]]] = {}  # launcher -> per-rank losses, compared across launchers
+LOSSES: dict[str, dict[str, list[list[float]]]] = {}  # layout -> launcher -> per-rank losses, compared across launchers
 TIMINGS: dict[str, float] = {}
 
 
@@ -44,9 +44,9 @@ def finish(cluster: Cluster, *jobs: LiveJob, timeout: float = JOB_TIMEOUT_S, set
     return results
 
 
-def train_args(out: Path, *extra: str) -> list[str]:
+def train_args(out: Path, *extra: str, devices: int = 1) -> list[str]:
     return [TRAIN, "--out", str(out), "--max-steps", "3", "--no-eval", "--stage", "3", "--width", "32",
-            "--devices", "1", "--num-nodes", "2", *extra]
+            "--devices", str(devices), "--num-nodes", "2", *extra]
 
 
 def ranks(out: Path, world: int = 2) -> list[dict]:
@@ -55,30 +55,35 @@ def ranks(out: Path, world: int = 2) -> list[dict]:
     return found
 
 
+@pytest.mark.parametrize(("slots", "precision"), [(1, "32-true"), (2, "bf16-mixed")], ids=["2x1-fp32", "2x2-bf16"])
 @pytest.mark.parametrize("launcher", ["pdsh", "mpirun", "torchrun"])
-def test_train_across_two_hosts(clean: Cluster, tmp_path: Path, launcher: str) -> None:
+def test_train_across_two_hosts(clean: Cluster, tmp_path: Path, launcher: str, slots: int, precision: str) -> None:
+    """ZeRO-3 on both hosts, 1 or 2 ranks each: ranks land on the right hosts, and every launcher gives the same
+    losses bit for bit."""
     out = tmp_path / "out"
-    hostfile = str(clean.hostfile(1))
+    hostfile = str(clean.hostfile(slots))
+    args = train_args(out, "--precision", precision, devices=slots)
     if launcher == "torchrun":
         port = str(free_port())
         jobs = [spawn(clean, i, "--hostfile", hostfile, "--node_rank", str(i), "--master_addr", "n0",
-                      "--master_port", port, *train_args(out)) for i in (0, 1)]
+                      "--master_port", port, *args) for i in (0, 1)]
     else:
         flag = "--use_deepspeed" if launcher == "pdsh" else "--use_mpi"
-        jobs = [spawn(clean, 0, "--hostfile", hostfile, flag, "--master_port", "0", *train_args(out))]
+        jobs = [spawn(clean, 0, "--hostfile", hostfile, flag, "--master_port", "0", *args)]
     results = finish(clean, *jobs)
     for result in results:
         assert result.returncode == 0, result.output[-4000:]
-    found = ranks(out)
-    assert [(r["host"], r["node_rank"], r["world_size"], r["global_step"]) for r in found] == [
-        ("n0", 0, 2, 3), ("n1", 1, 2, 3)]
+    world = 2 * slots
+    found = ranks(out, world)
+    assert [(r["host"], r["node_rank"], r["local_rank"], r["world_size"], r["global_step"]) for r in found] == [
+        (f"n{rank // slots}", rank // slots, rank % slots, world, 3) for rank in range(world)]
     assert all(r["zero_stage"] == 3 for r in found)
-    LOSSES[launcher] = [r["step_losses"] for r in found]
-    TIMINGS[launcher] = max(r.seconds for r in results)
-    print(f"\n{launcher} 2x1: {TIMINGS[launcher]:.1f} s")
-    if len(LOSSES) > 1:
-        first = next(iter(LOSSES.values()))
-        assert LOSSES[launcher] == first, LOSSES  # bit for bit: same ranks, same data, same collectives
+    layout = f"2x{slots}"
+    LOSSES.setdefault(layout, {})[launcher] = [r["step_losses"] for r in found]
+    TIMINGS[f"{launcher} {layout}"] = max(r.seconds for r in results)
+    print(f"\n{launcher} {layout} {precision}: {TIMINGS[f'{launcher} {layout}']:.1f} s")
+    first = next(iter(LOSSES[layout].values()))
+    assert LOSSES[layout][launcher] == first, LOSSES[layout]  # bit for bit: same ranks, same data, same collectives
 
 
 INJECTION = [
