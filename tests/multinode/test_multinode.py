@@ -167,6 +167,33 @@ def test_partition_ends_every_process_within_the_bound(clean: Cluster, tmp_path:
     assert not left, f"left behind: {left}"
 
 
+PG_TIMEOUT = 15  # s: the process-group timeout a per-node torchrun job is bounded by
+
+
+def test_partition_under_per_node_torchrun_ends_within_the_process_group_timeout(clean: Cluster,
+                                                                                 tmp_path: Path) -> None:
+    """Per-node torchrun has no ssh session to lose: when n1's link goes down, the collectives fail after the
+    process-group timeout, and both nodes' launchers exit non-zero within it, leaving nothing on either host."""
+    port = str(free_port())
+    jobs = [spawn(clean, i, "--hostfile", str(clean.hostfile(1)), "--node_rank", str(i), "--master_addr", "n0",
+                  "--master_port", port, "--stop_timeout", "3", COLLECTIVE, "--pg-timeout", str(PG_TIMEOUT))
+            for i in (0, 1)]
+    jobs[1].wait_for("rank 1 on n1: step 3", timeout=120)
+    cut = time.monotonic()
+    clean.hosts[1].link(False)
+    results = [job.wait(timeout=120) for job in jobs]
+    ended = time.monotonic() - cut
+    clean.hosts[1].link(True)
+    left = clean.wait_clean(30)
+    TIMINGS["partition torchrun"] = ended
+    print(f"\npartition under per-node torchrun: both launchers exited after {ended:.1f} s")
+    for result in results:
+        assert not result.timed_out, result.output[-4000:]
+        assert result.returncode != 0, result.output[-4000:]
+    assert ended < PG_TIMEOUT + 30, [r.output[-2000:] for r in results]
+    assert not left, f"left behind: {left}"
+
+
 def test_missing_node_gets_a_bounded_rendezvous(clean: Cluster, tmp_path: Path) -> None:
     """Per-node torchrun with node 1 never started: node 0 gives up after the rendezvous timeout, with the project's
     message."""
