@@ -186,16 +186,19 @@ def pin_device_count(count: int) -> Callable[[], None]:
 
 
 def start_children_with(launcher: Any, values: Callable[[], Mapping[str, str]]) -> None:
-    """Have Lightning's subprocess launcher start its ranks with ``values()`` in their environment.
+    """Have Lightning's (or Fabric's) subprocess launcher start its ranks with ``values()`` in their environment.
 
     ``_SubprocessScriptLauncher._call_children_scripts`` gives each child a copy of ``os.environ`` and takes nothing
     else: the values are in ``os.environ`` only while it starts them. Other launchers are left as they are.
     """
+    from lightning.fabric.strategies.launchers.subprocess_script import (
+        _SubprocessScriptLauncher as _FabricSubprocessScriptLauncher,
+    )
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
     from lightning_gaudi_ds._environ import scoped_environ
 
-    if not isinstance(launcher, _SubprocessScriptLauncher):
+    if not isinstance(launcher, (_SubprocessScriptLauncher, _FabricSubprocessScriptLauncher)):
         return
     start = launcher._call_children_scripts
 

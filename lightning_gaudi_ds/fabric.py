@@ -1,0 +1,221 @@
+"""``HPUDeepSpeedStrategy`` for Lightning Fabric: Fabric's DeepSpeed strategy made device-neutral (HPU, CUDA, CPU).
+
+Fabric's ``DeepSpeedStrategy`` refuses every accelerator but CUDA. This subclass overrides only what depends on the
+device or on this package, and delegates as the Trainer strategy (:mod:`lightning_gaudi_ds.strategy`) does: argument
+checks and the config with ``"auto"`` filled to :class:`lightning_gaudi_ds.config.StrategyConfig`, the device and the
+process group to :mod:`lightning_gaudi_ds.engine.process` and :mod:`lightning_gaudi_ds.engine.device`. ``setup``,
+``backward``, ``no_backward_sync``, ``all_reduce``, ``barrier``, ``broadcast``, ``init_module`` (ZeRO-3's
+``zero.Init``) and ``save``/``load`` are Fabric's own.
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="hpu_deepspeed_stage_3", precision="bf16-mixed")
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, ExitStack
+from typing import TYPE_CHECKING, Any, Literal
+
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
+from lightning.fabric.strategies.ddp import DDPStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_gaudi_ds import hf, hpu
+from lightning_gaudi_ds._compat import _PATH
+from lightning_gaudi_ds.config import StrategyConfig, offloads_optimizer
+from lightning_gaudi_ds.devices import device_spec
+from lightning_gaudi_ds.engine import checkpointing, inference, process, train
+from lightning_gaudi_ds.engine.device import DeviceRuntime, hccl_reduce
+from lightning_gaudi_ds.engine.step import step
+from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV
+from lightning_gaudi_ds.strategy import _REGISTERED
+
+if TYPE_CHECKING:
+    import deepspeed
+
+
+class HPUDeepSpeedStrategy(DeepSpeedStrategy):
+    """DeepSpeed ZeRO stages 0-3 (with CPU/NVMe offload) for Lightning Fabric on Intel Gaudi, CUDA GPUs and CPUs.
+
+    The arguments are those of the Trainer's :class:`lightning_gaudi_ds.HPUDeepSpeedStrategy` (checked with the same
+    errors), less its inference-engine ones: ``stage`` (0-3 or ``"auto"``: chosen when ``fabric.setup`` sees the
+    model), ``device_memory``, ``measure_activations``, ``config`` (path or dict, ``PL_DEEPSPEED_CONFIG_PATH`` when
+    unset; its ``"auto"`` values are filled from Fabric's precision, world size and the model), offload,
+    ``hpu_mode``, ``torch_compile``, ``number_checkpoints``, ``zero3_leaf_modules``, and every other argument of
+    :class:`lightning.fabric.strategies.DeepSpeedStrategy` by keyword.
+    """
+
+    def __init__(
+        self,
+        stage: int | Literal["auto"] = 2,
+        *,
+        device_memory: int | str | None = None,
+        measure_activations: bool = False,
+        accelerator: Accelerator | None = None,
+        config: _PATH | dict[str, Any] | None = None,
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        remote_device: str | None = None,
+        nvme_path: str = "/local_nvme",
+        process_group_backend: str | None = None,
+        logging_level: int = logging.WARN,
+        hpu_mode: hpu.Mode | None = None,
+        torch_compile: bool | None = None,
+        number_checkpoints: int | None = None,
+        zero3_leaf_modules: Sequence[type[Module] | str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        arguments = dict(
+            stage=stage, accelerator=accelerator, config=config, offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters, remote_device=remote_device, nvme_path=nvme_path,
+            process_group_backend=process_group_backend, logging_level=logging_level, **kwargs,
+        )
+        # Created before Fabric's __init__, which loads the config through _load_config.
+        self._resolver, arguments["stage"] = StrategyConfig.from_arguments(
+            type(self), arguments, hpu_mode=hpu_mode, torch_compile=torch_compile,
+            measure_activations=measure_activations, number_checkpoints=number_checkpoints,
+            device_memory=device_memory,
+        )
+        super().__init__(**arguments)
+        assert isinstance(self.config, dict)
+        self._resolver.adopt(self.config, user_config=config is not None, offload_parameters=offload_parameters)
+        if number_checkpoints is not None:
+            checkpointing.set_number_checkpoints(self.config, number_checkpoints)
+        self._runtime = DeviceRuntime(requested_mode=hpu_mode, requested_compile=torch_compile)
+        self._leaf_modules = hf.leaf_module_classes(zero3_leaf_modules)
+
+    @property
+    def torch_compile(self) -> bool:
+        """Whether the engine is compiled after ``deepspeed.initialize`` (see the ``torch_compile`` argument)."""
+        return self._runtime.compile
+
+    @property
+    def hpu_mode(self) -> hpu.Mode | None:
+        """The Gaudi execution mode in force, once Fabric chose an HPU."""
+        return self._runtime.mode
+
+    @property
+    def chosen_configuration(self) -> dict[str, Any] | None:
+        """``stage="auto"``: the configuration ``fabric.setup`` chose (stage, offload); None before or when fixed."""
+        return self._resolver.chosen
+
+    # ----------------------------------------------------------------------------------------- set-up
+    @override
+    def _configure_launcher(self) -> None:
+        # Called by Fabric's constructor once accelerator and precision are known: checked before any process starts.
+        process.before_launch(self, self._runtime, self._resolver, self.precision.precision)
+        super()._configure_launcher()
+        process.after_launcher(self._launcher, self._runtime)
+
+    @override
+    def setup_environment(self) -> None:
+        # Fabric's without its gate that refuses every accelerator but CUDA, plus the device's preparation.
+        process.prepare_device(self, self._runtime, process.set_deepspeed_accelerator, self._set_world_ranks)
+        DDPStrategy.setup_environment(self)
+
+    @override
+    def _setup_distributed(self) -> None:
+        mode = inference.shm_comm_mode(None, self.world_size, os.environ.get(SHM_MODE_ENV))
+        process.start_distributed(self, self._runtime, set_world_ranks=self._set_world_ranks,
+                                  init=self._init_deepspeed_distributed, offload=offloads_optimizer(self.config),
+                                  shm_comm=mode)
+        self._format_config()
+        self._config_initialized = True
+
+    @override
+    def _init_deepspeed_distributed(self) -> None:
+        process.bounded_init(self, super()._init_deepspeed_distributed)
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        return self._process_group_backend or device_spec(self.root_device).backend
+
+    # ------------------------------------------------------ DeepSpeed JSON config: load, "auto", contradictions
+    @override
+    def _load_config(self, config: _PATH | dict[str, Any] | None) -> dict[str, Any] | None:
+        return self._resolver.load(config)
+
+    @override
+    def _format_config(self) -> None:
+        # Before the model exists (fabric.init_module's zero.Init reads it); resolved again with the model in setup.
+        self.config = self._resolver.resolve_with(self, None, self.precision.precision)
+
+    # ------------------------------------------------------------------------------------- engine
+    @override
+    def _initialize_engine(
+        self, model: Module, optimizer: Optimizer | None = None, scheduler: Any | None = None
+    ) -> tuple[deepspeed.DeepSpeedEngine, Optimizer, Any]:
+        # Fabric's, with stage="auto" chosen and "auto" filled for this model, ZeRO-Offload's optimizer conversion,
+        # the device rank from the local rank (CPU and HPU devices have no index), and the engine compiled if asked.
+        precision = self.precision.precision
+        self._resolver.choose(self, model, precision)
+        self.config = self._resolver.resolve_with(self, model, precision)
+        if optimizer is not None:
+            optimizer, _ = train.optimizer_sources(self.config, optimizer, None)
+        if self._leaf_modules and self.zero_stage_3:
+            hf.mark_leaf_modules(model, self._leaf_modules)
+        self._runtime.before_engine(model, self.root_device)
+        engine, ds_optimizer, ds_scheduler = process.initialize(
+            self._runtime, process.deepspeed_args(self.root_device, self.local_rank), self.config, model, optimizer,
+            scheduler,
+        )
+        self._runtime.compile_engine(engine)
+        return engine, ds_optimizer, ds_scheduler
+
+    @override
+    def _set_deepspeed_activation_checkpointing(self) -> None:
+        # Fabric's version drops the number of checkpoints: DeepSpeed reads the whole section itself.
+        assert isinstance(self.config, dict)
+        checkpointing.configure(self.config)
+
+    @override
+    def module_sharded_context(self) -> AbstractContextManager:
+        # Under ZeRO-3, transformers is told too, so that `from_pretrained` inside fabric.init_module loads into the
+        # partitions (lightning_gaudi_ds.hf).
+        stack = ExitStack()
+        stack.enter_context(hf.zero3_loading(self.config if self.zero_stage_3 else None))
+        stack.enter_context(super().module_sharded_context())
+        return stack
+
+    # ------------------------------------------ engine calls: HPU lazy-mode graph breaks (engine.step)
+    @override
+    def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
+        with step(self._runtime):
+            super().backward(tensor, module, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        with step(self._runtime):
+            return super().optimizer_step(optimizer, **kwargs)
+
+    @override
+    def all_reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor:
+        if self._get_process_group_backend() != "hccl" or not isinstance(tensor, Tensor):
+            return super().all_reduce(tensor, group, reduce_op)
+        return hccl_reduce(super().all_reduce, tensor, group, reduce_op, self.root_device, self.world_size)
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        self._runtime.teardown()
+
+    # ---------------------------------------------------------------------------------- registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name, description, kwargs in _REGISTERED:
+            strategy_registry.register(name, cls, description=description, override=True, **kwargs)
+
+
+# Defining the strategy registers its names with Fabric (lightning_gaudi_ds/__init__.py imports this module once
+# Lightning is imported).
+HPUDeepSpeedStrategy.register_strategies(STRATEGY_REGISTRY)
+
+__all__ = ["HPUDeepSpeedStrategy"]
