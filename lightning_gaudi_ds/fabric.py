@@ -32,7 +32,7 @@ from lightning_gaudi_ds._compat import _PATH
 from lightning_gaudi_ds.config import StrategyConfig, offloads_optimizer
 from lightning_gaudi_ds.devices import device_spec
 from lightning_gaudi_ds.engine import checkpointing, inference, process, train
-from lightning_gaudi_ds.engine.device import DeviceRuntime, hccl_reduce
+from lightning_gaudi_ds.engine.device import hccl_reduce
 from lightning_gaudi_ds.engine.step import step
 from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV
 from lightning_gaudi_ds.strategy import _REGISTERED
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     import deepspeed
 
 
-class HPUDeepSpeedStrategy(DeepSpeedStrategy):
+class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
     """DeepSpeed ZeRO stages 0-3 (with CPU/NVMe offload) for Lightning Fabric on Intel Gaudi, CUDA GPUs and CPUs.
 
     The arguments are those of the Trainer's :class:`lightning_gaudi_ds.HPUDeepSpeedStrategy` (checked with the same
@@ -84,27 +84,9 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             device_memory=device_memory,
         )
         super().__init__(**arguments)
-        assert isinstance(self.config, dict)
-        self._resolver.adopt(self.config, user_config=config is not None, offload_parameters=offload_parameters)
-        if number_checkpoints is not None:
-            checkpointing.set_number_checkpoints(self.config, number_checkpoints)
-        self._runtime = DeviceRuntime(requested_mode=hpu_mode, requested_compile=torch_compile)
-        self._leaf_modules = hf.leaf_module_classes(zero3_leaf_modules)
-
-    @property
-    def torch_compile(self) -> bool:
-        """Whether the engine is compiled after ``deepspeed.initialize`` (see the ``torch_compile`` argument)."""
-        return self._runtime.compile
-
-    @property
-    def hpu_mode(self) -> hpu.Mode | None:
-        """The Gaudi execution mode in force, once Fabric chose an HPU."""
-        return self._runtime.mode
-
-    @property
-    def chosen_configuration(self) -> dict[str, Any] | None:
-        """``stage="auto"``: the configuration ``fabric.setup`` chose (stage, offload); None before or when fixed."""
-        return self._resolver.chosen
+        self._adopt_arguments(config=config, offload_parameters=offload_parameters,
+                              number_checkpoints=number_checkpoints, hpu_mode=hpu_mode, torch_compile=torch_compile,
+                              zero3_leaf_modules=zero3_leaf_modules)
 
     # ----------------------------------------------------------------------------------------- set-up
     @override
@@ -159,8 +141,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         self.config = self._resolver.resolve_with(self, model, precision)
         if optimizer is not None:
             optimizer, _ = train.optimizer_sources(self.config, optimizer, None)
-        if self._leaf_modules and self.zero_stage_3:
-            hf.mark_leaf_modules(model, self._leaf_modules)
+        self._mark_leaf_modules(model)
         self._runtime.before_engine(model, self.root_device)
         engine, ds_optimizer, ds_scheduler = process.initialize(
             self._runtime, process.deepspeed_args(self.root_device, self.local_rank), self.config, model, optimizer,
@@ -200,11 +181,6 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         if self._get_process_group_backend() != "hccl" or not isinstance(tensor, Tensor):
             return super().all_reduce(tensor, group, reduce_op)
         return hccl_reduce(super().all_reduce, tensor, group, reduce_op, self.root_device, self.world_size)
-
-    @override
-    def teardown(self) -> None:
-        super().teardown()
-        self._runtime.teardown()
 
     # ---------------------------------------------------------------------------------- registry
     @classmethod

@@ -62,7 +62,7 @@ from lightning_gaudi_ds.config.validate import (
 )
 from lightning_gaudi_ds.devices import DeviceSpec, device_spec
 from lightning_gaudi_ds.engine import checkpointing, inference, process, train
-from lightning_gaudi_ds.engine.device import DeviceRuntime, hccl_reduce
+from lightning_gaudi_ds.engine.device import hccl_reduce
 from lightning_gaudi_ds.engine.step import step, third_party_deprecations_silenced
 from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV
 from lightning_gaudi_ds.launch.environments import check_launcher_world_size, resolve_environment
@@ -87,7 +87,7 @@ _REGISTERED: tuple[tuple[str, str, dict[str, Any]], ...] = (
 )
 
 
-class HPUDeepSpeedStrategy(DeepSpeedStrategy):
+class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
     """DeepSpeed ZeRO stages 0-3 (with CPU/NVMe offload) for Lightning on Intel Gaudi, CUDA GPUs and CPUs.
 
     Args:
@@ -177,11 +177,9 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             offload_parameters=offload_parameters, remote_device=remote_device, nvme_path=nvme_path,
             process_group_backend=process_group_backend, logging_level=logging_level, **kwargs,
         )
-        assert isinstance(self.config, dict)
-        self._resolver.adopt(self.config, user_config=config is not None, offload_parameters=offload_parameters)
-        if number_checkpoints is not None:
-            checkpointing.set_number_checkpoints(self.config, number_checkpoints)
-        self._runtime = DeviceRuntime(requested_mode=hpu_mode, requested_compile=torch_compile)
+        self._adopt_arguments(config=config, offload_parameters=offload_parameters,
+                              number_checkpoints=number_checkpoints, hpu_mode=hpu_mode, torch_compile=torch_compile,
+                              zero3_leaf_modules=zero3_leaf_modules)
         self._inference = inference.settings_from(
             dict(tensor_parallel=tensor_parallel, dtype=dtype, replace_with_kernel_inject=replace_with_kernel_inject,
                  injection_policy=injection_policy, replace_method=replace_method, enable_cuda_graph=enable_cuda_graph),
@@ -191,17 +189,6 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             zero_args = {**self._resolver.explicit_args, **({"stage": AUTO} if self._resolver.auto is not None else {})}
             inference.check_zero_options(self._inference, zero_args, self.config)
         self._inference_dtype: torch.dtype | None = None
-        self._leaf_modules = hf.leaf_module_classes(zero3_leaf_modules)
-
-    @property
-    def torch_compile(self) -> bool:
-        """Whether the engine is compiled after ``deepspeed.initialize`` (see the ``torch_compile`` argument)."""
-        return self._runtime.compile
-
-    @property
-    def hpu_mode(self) -> hpu.Mode | None:
-        """The Gaudi execution mode in force, once the Trainer chose an HPU."""
-        return self._runtime.mode
 
     # ----------------------------------------------------------------------------------------- set-up
     @property
@@ -315,10 +302,6 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         self.model = inference.init_zero_engine(model, self.config, self._deepspeed_args(),
                                                 zero_stage_3=self.zero_stage_3)
 
-    def _mark_leaf_modules(self, model: Module) -> None:
-        if self._leaf_modules and self.zero_stage_3:
-            hf.mark_leaf_modules(model, self._leaf_modules)
-
     @override
     def _initialize_deepspeed_train(self, model: Module) -> None:
         # A copy of Lightning 2.6.6's DeepSpeedStrategy._initialize_deepspeed_train, except that the optimizer and
@@ -414,11 +397,6 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         if self.zero_stage_3 and module is not None and any(_is_partition(p) for p in module.parameters()):
             rank_zero_warn(train.PARTITIONED_AFTER_FIT)
 
-    @override
-    def teardown(self) -> None:
-        super().teardown()
-        self._runtime.teardown()
-
     # ------------------------------------------------------ DeepSpeed JSON config: load, "auto", contradictions
     # Lightning's __init__ calls _load_config; setup (and ZeRO-3's model_sharded_context) call _init_config_if_needed.
     # self._resolver (config.StrategyConfig) owns the config's state and resolution; these hooks delegate to it.
@@ -436,11 +414,6 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def _format_config(self) -> None:
         self.config = self._resolver.resolve_for(self)
-
-    @property
-    def chosen_configuration(self) -> dict[str, Any] | None:
-        """``stage="auto"``: the configuration setup chose (stage, offload), None before or for a fixed stage."""
-        return self._resolver.chosen
 
     @override
     def on_train_start(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -20,7 +20,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.seed import reset_seed
 from torch.nn import Module
 
-from lightning_gaudi_ds import hpu
+from lightning_gaudi_ds import hf, hpu
 from lightning_gaudi_ds._compat import (
     give_bf16_optimizer_zero_grad,
     reset_zero3_trace_at_outer_forward_only,
@@ -30,10 +30,54 @@ from lightning_gaudi_ds._compat import set_deepspeed_accelerator as _set_deepspe
 from lightning_gaudi_ds.config.state import StrategyConfig
 from lightning_gaudi_ds.config.validate import check_before_launch, check_device_indices
 from lightning_gaudi_ds.devices import DeviceSpec, device_spec
-from lightning_gaudi_ds.engine import shutdown
+from lightning_gaudi_ds.engine import checkpointing, shutdown
 from lightning_gaudi_ds.engine.device import DeviceRuntime
 from lightning_gaudi_ds.jit_ops.startup import prepare_startup
 from lightning_gaudi_ds.launch.rendezvous import bounded_rendezvous, rendezvous_timeout, waiting_message
+
+
+class StrategyCommon:
+    """What the Trainer's and Fabric's ``HPUDeepSpeedStrategy`` share of their state, as a mixin before Lightning's
+    ``DeepSpeedStrategy``: the config's state (``_resolver``), the device's (``_runtime``) and ZeRO-3's leaf
+    modules, set from the arguments once Lightning's ``__init__`` has built or loaded the config."""
+
+    config: Any
+    zero_stage_3: bool
+    _resolver: StrategyConfig
+
+    def _adopt_arguments(
+        self, *, config: Any, offload_parameters: bool, number_checkpoints: int | None, hpu_mode: hpu.Mode | None,
+        torch_compile: bool | None, zero3_leaf_modules: Sequence[type[Module] | str] | None,
+    ) -> None:
+        assert isinstance(self.config, dict)
+        self._resolver.adopt(self.config, user_config=config is not None, offload_parameters=offload_parameters)
+        if number_checkpoints is not None:
+            checkpointing.set_number_checkpoints(self.config, number_checkpoints)
+        self._runtime = DeviceRuntime(requested_mode=hpu_mode, requested_compile=torch_compile)
+        self._leaf_modules = hf.leaf_module_classes(zero3_leaf_modules)
+
+    @property
+    def torch_compile(self) -> bool:
+        """Whether the engine is compiled after ``deepspeed.initialize`` (see the ``torch_compile`` argument)."""
+        return self._runtime.compile
+
+    @property
+    def hpu_mode(self) -> hpu.Mode | None:
+        """The Gaudi execution mode in force, once the Trainer (or Fabric) chose an HPU."""
+        return self._runtime.mode
+
+    @property
+    def chosen_configuration(self) -> dict[str, Any] | None:
+        """``stage="auto"``: the configuration setup chose (stage, offload), None before or for a fixed stage."""
+        return self._resolver.chosen
+
+    def _mark_leaf_modules(self, model: Module) -> None:
+        if self._leaf_modules and self.zero_stage_3:
+            hf.mark_leaf_modules(model, self._leaf_modules)
+
+    def teardown(self) -> None:
+        super().teardown()  # type: ignore[misc]
+        self._runtime.teardown()
 
 
 def before_launch(strategy: Any, runtime: DeviceRuntime, resolver: StrategyConfig, precision: str) -> None:
