@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR_ALIAS_CONVERSION
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.strategies.deepspeed import _format_precision_config, _validate_device_index_selection
+from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
@@ -43,6 +44,7 @@ __all__ = [
     "_PRECISION_INPUT_STR_ALIAS_CONVERSION",
     "_format_precision_config",
     "_init_optimizers_and_lr_schedulers",
+    "_move_state_into",
     "_validate_device_index_selection",
     "attached_trainer",
     "created_deepspeed_accelerator",

@@ -12,9 +12,10 @@ process group to :mod:`lightning_gaudi_ds.engine.process` and :mod:`lightning_ga
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -27,8 +28,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_gaudi_ds import checkpoint as ckpt
 from lightning_gaudi_ds import hf, hpu
-from lightning_gaudi_ds._compat import _PATH
+from lightning_gaudi_ds._compat import _PATH, _move_state_into
 from lightning_gaudi_ds.config import StrategyConfig, offloads_optimizer
 from lightning_gaudi_ds.devices import device_spec
 from lightning_gaudi_ds.engine import checkpointing, inference, process, train
@@ -182,12 +184,68 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
             return super().all_reduce(tensor, group, reduce_op)
         return hccl_reduce(super().all_reduce, tensor, group, reduce_op, self.root_device, self.world_size)
 
+    # ------------------------------------------- checkpoints: crash-safe saves, validation, resharding
+    # As under the Trainer (lightning_gaudi_ds.checkpoint): saved into `<path>.partial` and renamed into place once
+    # every rank wrote its shard; validated before DeepSpeed reads it, resharded when the world size changed.
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage of the resolved DeepSpeed config (0-3)."""
+        assert isinstance(self.config, dict)
+        return int((self.config.get("zero_optimization") or {}).get("stage", 0))
+
+    @override
+    def save_checkpoint(
+        self, path: _PATH, state: dict[str, Any], storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        if storage_options is not None or filter is not None or len(_engines(state)) != 1:  # Fabric's own errors
+            return super().save_checkpoint(path, state, storage_options, filter)
+        # The client state is whatever the user put in `state`: not claimed to load with weights_only=True.
+        ckpt.save({}, path, self, functools.partial(super().save_checkpoint, state=state), lambda: self.zero_stage,
+                  weights_only=False)
+
+    @override
+    def load_checkpoint(
+        self, path: _PATH, state: Module | Optimizer | dict[str, Any] | None = None, strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        engines = _engines(state) if isinstance(state, dict) else []
+        if len(engines) != 1 or (self.load_full_weights and self.zero_stage_3):  # Fabric's own paths and errors
+            return super().load_checkpoint(path, state, strict, weights_only)
+        assert isinstance(state, dict)
+        path = self.broadcast(path)
+        engine = engines[0]
+        loaded_by_deepspeed = []
+
+        def deepspeed_load() -> dict[str, Any]:
+            loaded_by_deepspeed.append(True)
+            return super(HPUDeepSpeedStrategy, self).load_checkpoint(path, state, strict, weights_only)
+
+        client_state = ckpt.load_checkpoint(
+            path, self, zero_stage=self.zero_stage, module=engine.module, fitting=engine.optimizer is not None,
+            engine=engine, deepspeed_load=deepspeed_load, weights_only=weights_only, strict=strict,
+            opt_in=_FABRIC_OPT_IN,
+        )
+        if not loaded_by_deepspeed:  # resharded: the user's other state goes back into `state` as Fabric's does
+            keys = set(client_state) & set(state) - {"optimizer", "lr_scheduler"}
+            _move_state_into(source=client_state, destination=state, keys=keys)
+        return client_state
+
     # ---------------------------------------------------------------------------------- registry
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         for name, description, kwargs in _REGISTERED:
             strategy_registry.register(name, cls, description=description, override=True, **kwargs)
+
+
+_FABRIC_OPT_IN = "pass `weights_only=False` to fabric.load"
+
+
+def _engines(state: Any) -> list[Any]:
+    from deepspeed import DeepSpeedEngine
+
+    return [value for value in state.values() if isinstance(value, DeepSpeedEngine)]
 
 
 # Defining the strategy registers its names with Fabric (lightning_gaudi_ds/__init__.py imports this module once

@@ -156,13 +156,26 @@ def test_all_reduce_mean_on_hccl_is_a_sum_over_the_ranks_on_the_card(
 
 
 # ------------------------------------------------------------------------------ 2 ranks, real engines
-@pytest.fixture(scope="module")
-def fabric_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("fabric")
-    run_job([sys.executable, str(JOBS / "fabric_job.py"), "--out", str(out)], timeout=900).check()
+def fabric_job(out: Path, *args: str, ranks: int) -> list[dict[str, Any]]:
+    run_job([sys.executable, str(JOBS / "fabric_job.py"), "--out", str(out), *args], timeout=900).check()
     files = sorted(out.glob("rank*.json"))
-    assert len(files) == 2, f"expected a result per rank under {out}"
+    assert len(files) == ranks, f"expected a result per rank under {out}"
     return [json.loads(f.read_text()) for f in files]
+
+
+@pytest.fixture(scope="module")
+def job_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fabric")
+
+
+@pytest.fixture(scope="module")
+def fabric_runs(job_dir: Path) -> list[dict[str, Any]]:
+    return fabric_job(job_dir / "2ranks", ranks=2)
+
+
+@pytest.fixture(scope="module")
+def reloaded_on_one_rank(job_dir: Path, fabric_runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return fabric_job(job_dir / "1rank", "--reload", str(job_dir / "2ranks" / "ckpt"), "--devices", "1", ranks=1)[0]
 
 
 @pytest.mark.multiprocess
@@ -206,3 +219,23 @@ def test_save_and_load_resume_exactly(fabric_runs: list[dict[str, Any]], stage: 
         assert run["step"] == 2  # the state's plain values come back too
         assert run["first"] == rank["ddp"]["losses"][:2]
         assert run["resumed"] == run["continued"]  # other initial weights: only the checkpoint makes them agree
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fabric_save_is_crash_safe(fabric_runs: list[dict[str, Any]], stage: int) -> None:
+    for rank in fabric_runs:
+        run = rank[f"resume_stage{stage}"]
+        assert run["manifest"] and not run["partial"]  # committed: the manifest written, `<name>.partial` renamed
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fabric_load_reshards_to_another_world_size(
+    fabric_runs: list[dict[str, Any]], reloaded_on_one_rank: dict[str, Any], stage: int
+) -> None:
+    saved, loaded = fabric_runs[0][f"resume_stage{stage}"], reloaded_on_one_rank[f"reload_stage{stage}"]
+    assert loaded["step"] == 2
+    assert loaded["eval"] == pytest.approx(saved["eval_at_save"], abs=1e-6, rel=0)  # the 2-rank weights on 1 rank
+    assert loaded["eval"] != pytest.approx(fabric_runs[0]["ddp"]["losses"][0], abs=1e-3)  # not the initial weights
+    assert all(torch.isfinite(torch.tensor(loaded["after_step"])))  # the resharded optimizer state steps

@@ -20,6 +20,8 @@ from torch import nn
 import lightning_gaudi_ds  # noqa: F401  (registers hpu_deepspeed* with Fabric)
 from common import INPUTS, OUTPUTS, make_data
 
+from lightning_gaudi_ds.checkpoint import MANIFEST, partial_path
+
 STEPS, BATCH, WIDTH, LR = 4, 8, 512, 1e-3
 
 
@@ -82,6 +84,12 @@ def run(strategy: Any, precision: str = "32-true", init_module: bool = False) ->
     return result
 
 
+def eval_loss(model: Any, fabric: Fabric) -> float:
+    x, y = make_data().tensors
+    with torch.no_grad():
+        return float(nn.functional.mse_loss(model(fabric.to_device(x[:16])).float(), fabric.to_device(y[:16])))
+
+
 def save_and_resume(strategy: str, directory: Path) -> dict[str, Any]:
     fabric = fabric_for(strategy)
     fabric.seed_everything(7)
@@ -89,6 +97,8 @@ def save_and_resume(strategy: str, directory: Path) -> dict[str, Any]:
     model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=LR))
     first = train(fabric, model, optimizer, 0, 2)
     fabric.save(directory, {"model": model, "optimizer": optimizer, "step": 2})
+    saved = {"manifest": (directory / MANIFEST).is_file(), "partial": partial_path(directory).exists(),
+             "eval_at_save": eval_loss(model, fabric)}
     continued = train(fabric, model, optimizer, 2, 2)
 
     fabric = fabric_for(strategy)
@@ -98,14 +108,38 @@ def save_and_resume(strategy: str, directory: Path) -> dict[str, Any]:
     state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
     fabric.load(directory, state)
     resumed = train(fabric, model, optimizer, int(state["step"]), 2)
-    return {"first": first, "continued": continued, "resumed": resumed, "step": state["step"]}
+    return {"first": first, "continued": continued, "resumed": resumed, "step": state["step"], **saved}
+
+
+def reload(strategy: str, directory: Path, devices: int) -> dict[str, Any]:
+    """Another world size: a new model, the checkpoint loaded (resharded), its loss on fixed data."""
+    fabric = Fabric(accelerator="cpu", devices=devices, strategy=strategy)
+    fabric.launch()
+    fabric.seed_everything(99)
+    model = make_model()
+    model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=LR))
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
+    fabric.load(directory, state)
+    loss = eval_loss(model, fabric)
+    after_step = train(fabric, model, optimizer, 2, 1)  # the resharded optimizer state steps too
+    return {"eval": loss, "step": state["step"], "after_step": after_step}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    out = parser.parse_args().out
+    parser.add_argument("--reload", type=Path, help="load the checkpoints under this folder on --devices ranks")
+    parser.add_argument("--devices", type=int, default=1)
+    args = parser.parse_args()
+    out = args.out
     results: dict[str, Any] = {}
+    if args.reload is not None:
+        for stage in (2, 3):
+            results[f"reload_stage{stage}"] = reload(f"hpu_deepspeed_stage_{stage}", args.reload / str(stage),
+                                                     args.devices)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(results))
+        return
     # A DeepSpeed run first: the strategy that starts the process group ends it at exit (engine/shutdown.py).
     for stage in (0, 1, 2, 3):
         name = f"hpu_deepspeed_stage_{stage}" if stage else lightning_gaudi_ds.fabric.HPUDeepSpeedStrategy(stage=0)
