@@ -157,8 +157,8 @@ def load_checkpoint(
     """
     info = validate_checkpoint(path, zero_stage=zero_stage, weights_only=weights_only, opt_in=opt_in)
     verify_checkpoint(info.path, weights_only, opt_in)
-    if strict is None and module is not None:
-        strict = module.strict_loading
+    if strict is None:
+        strict = bool(getattr(module, "strict_loading", True))
     # DeepSpeed's readers pass weights_only=False, which TORCH_FORCE_WEIGHTS_ONLY_LOAD=1 overrides: allow its types
     with deepspeed_types_allowed() if resolve_weights_only(weights_only) else contextlib.nullcontext():
         if zero_stage == 3 and module is not None and fitting is False:
@@ -167,6 +167,6 @@ def load_checkpoint(
             return deepspeed_load()
         assert module is not None
         if fitting is None:  # no Trainer attached: Lightning's own error
-            fitting = module.trainer.state.fn == "fit"
+            fitting = module.trainer.state.fn == "fit"  # type: ignore[union-attr]
         return load_resharded(info, comm, engine, module, fitting=fitting, strict=bool(strict),
                               weights_only=weights_only)
