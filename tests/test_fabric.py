@@ -24,6 +24,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 
 from lightning_gaudi_ds import HPUAccelerator, hpu
 from lightning_gaudi_ds import HPUDeepSpeedStrategy as TrainerStrategy
+from lightning_gaudi_ds.checkpoint import MANIFEST
 from lightning_gaudi_ds.engine import process
 from lightning_gaudi_ds.fabric import HPUDeepSpeedStrategy
 from lightning_gaudi_ds.strategy import _REGISTERED
@@ -239,3 +240,19 @@ def test_fabric_load_reshards_to_another_world_size(
     assert loaded["eval"] == pytest.approx(saved["eval_at_save"], abs=1e-6, rel=0)  # the 2-rank weights on 1 rank
     assert loaded["eval"] != pytest.approx(fabric_runs[0]["ddp"]["losses"][0], abs=1e-3)  # not the initial weights
     assert all(torch.isfinite(torch.tensor(loaded["after_step"])))  # the resharded optimizer state steps
+
+
+@pytest.mark.multiprocess
+def test_fabric_lm_example_trains_saves_and_resumes(tmp_path: Path) -> None:
+    example = REPO / "examples" / "fabric_lm.py"
+    tiny = ["--strategy", "hpu_deepspeed_stage_3", "--accelerator", "cpu", "--devices", "2", "--n_layer", "1",
+            "--n_embd", "64", "--n_head", "2", "--warmup_steps", "2", "--val_batches", "2", "--out", str(tmp_path)]
+    first = run_job([sys.executable, str(example), *tiny, "--max_steps", "4"], timeout=600).check().output
+    assert "fabric_lm summary" in first and "4 steps on 2 x cpu, HPUDeepSpeedStrategy (ZeRO stage 3)" in first, first
+    checkpoint = tmp_path / "checkpoint"
+    assert (checkpoint / MANIFEST).is_file()
+    resumed = run_job([sys.executable, str(example), *tiny, "--max_steps", "6", "--resume", str(checkpoint)],
+                      timeout=600).check().output
+    assert f"resumed from {checkpoint} at step 4" in resumed and "6 steps on 2 x cpu" in resumed, resumed[-3000:]
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert rows[0] == "step,train_loss,val_loss" and rows[1].startswith("5,")  # the resumed run counts on from 4

@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import INPUTS, OUTPUTS, make_data
 from lightning.fabric import Fabric
 from torch import nn
 
 import lightning_gaudi_ds  # noqa: F401  (registers hpu_deepspeed* with Fabric)
-from common import INPUTS, OUTPUTS, make_data
-
 from lightning_gaudi_ds.checkpoint import MANIFEST, partial_path
 
 STEPS, BATCH, WIDTH, LR = 4, 8, 512, 1e-3
