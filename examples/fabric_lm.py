@@ -3,7 +3,7 @@
     python examples/fabric_lm.py --strategy hpu_deepspeed_stage_3 --accelerator cpu --devices 2 --max_steps 50
     python examples/fabric_lm.py --strategy hpu_deepspeed_stage_3 --accelerator cpu --devices 2 --max_steps 60 \\
         --resume fabric_logs/checkpoint
-    lightning-gaudi-ds spawn --nproc_per_node 8 examples/fabric_lm.py --accelerator hpu --devices 8
+    lightning-gaudi-ds spawn --world_size 8 examples/fabric_lm.py --accelerator hpu --devices 8
 
 The model is built under ``fabric.init_module(empty_init=True)``, so under ZeRO-3 each rank only ever holds its
 shard; ``fabric.save`` writes a crash-safe sharded checkpoint (``--resume`` loads it, on any number of ranks).
