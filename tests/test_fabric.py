@@ -213,6 +213,14 @@ def test_init_module_builds_zero3_partitions_that_train_like_ddp(fabric_runs: li
 
 
 @pytest.mark.multiprocess
+def test_zero_offload_trains_the_torch_adam_as_cpu_adam(fabric_runs: list[dict[str, Any]]) -> None:
+    for rank in fabric_runs:
+        run = rank["offload_stage2"]
+        assert run["zero_stage"] == 2
+        assert run["losses"] == pytest.approx(rank["ddp"]["losses"], abs=1e-5, rel=0)  # the same Adam, on the CPU
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [2, 3])
 def test_save_and_load_resume_exactly(fabric_runs: list[dict[str, Any]], stage: int) -> None:
     for rank in fabric_runs:

@@ -147,6 +147,7 @@ def main() -> None:
     for stage in (0, 1, 2, 3):
         results[f"bf16_stage{stage}"] = run(lightning_gaudi_ds.fabric.HPUDeepSpeedStrategy(stage=stage), "bf16-mixed")
     results["init_module_stage3"] = run("hpu_deepspeed_stage_3", init_module=True)
+    results["offload_stage2"] = run("hpu_deepspeed_stage_2_offload")  # torch Adam becomes DeepSpeedCPUAdam
     for stage in (2, 3):
         results[f"resume_stage{stage}"] = save_and_resume(f"hpu_deepspeed_stage_{stage}", out / "ckpt" / str(stage))
     out.mkdir(parents=True, exist_ok=True)
