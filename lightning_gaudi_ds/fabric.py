@@ -31,7 +31,7 @@ from typing_extensions import override
 from lightning_gaudi_ds import checkpoint as ckpt
 from lightning_gaudi_ds import hf, hpu
 from lightning_gaudi_ds._compat import _PATH, _move_state_into
-from lightning_gaudi_ds.config import StrategyConfig, offloads_optimizer
+from lightning_gaudi_ds.config import ConfigError, StrategyConfig, offloads_optimizer
 from lightning_gaudi_ds.devices import device_spec
 from lightning_gaudi_ds.engine import checkpointing, inference, process, train
 from lightning_gaudi_ds.engine.device import hccl_reduce
@@ -89,6 +89,7 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         self._adopt_arguments(config=config, offload_parameters=offload_parameters,
                               number_checkpoints=number_checkpoints, hpu_mode=hpu_mode, torch_compile=torch_compile,
                               zero3_leaf_modules=zero3_leaf_modules)
+        self._unresolved: ConfigError | None = None  # set up before the model: what only the model can resolve
 
     # ----------------------------------------------------------------------------------------- set-up
     @override
@@ -129,7 +130,12 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
     @override
     def _format_config(self) -> None:
         # Before the model exists (fabric.init_module's zero.Init reads it); resolved again with the model in setup.
-        self.config = self._resolver.resolve_with(self, None, self.precision.precision)
+        # An "auto" only the model can fill (bucket sizes) waits for setup, unless zero.Init needs it first.
+        try:
+            self.config = self._resolver.resolve_with(self, None, self.precision.precision)
+            self._unresolved = None
+        except ConfigError as error:
+            self._unresolved = error
 
     # ------------------------------------------------------------------------------------- engine
     @override
@@ -162,6 +168,8 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
     def module_sharded_context(self) -> AbstractContextManager:
         # Under ZeRO-3, transformers is told too, so that `from_pretrained` inside fabric.init_module loads into the
         # partitions (lightning_gaudi_ds.hf).
+        if self._unresolved is not None and self.zero_stage_3:
+            raise self._unresolved
         stack = ExitStack()
         stack.enter_context(hf.zero3_loading(self.config if self.zero_stage_3 else None))
         stack.enter_context(super().module_sharded_context())

@@ -111,6 +111,24 @@ def test_stage_auto_needs_device_memory_on_cpu_before_anything_starts() -> None:
         Fabric(accelerator="cpu", devices=1, strategy=HPUDeepSpeedStrategy(stage="auto"))
 
 
+def test_config_autos_only_the_model_can_fill_wait_for_setup() -> None:
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
+    strategy = Fabric(accelerator="cpu", devices=1, strategy=HPUDeepSpeedStrategy(config=config)).strategy
+    strategy._format_config()  # at setup_environment: no model yet, nothing refused
+    assert strategy.config["zero_optimization"]["reduce_bucket_size"] == "auto"
+    model = torch.nn.Sequential(torch.nn.Linear(8, 48), torch.nn.Linear(48, 8))
+    resolved = strategy._resolver.resolve_with(strategy, model, "32-true")  # what fabric.setup does
+    assert resolved["zero_optimization"]["reduce_bucket_size"] == 8 * 8  # hidden: the smaller side of the weights
+
+
+def test_init_module_under_zero3_says_which_auto_it_cannot_fill_yet() -> None:
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}
+    strategy = Fabric(accelerator="cpu", devices=1, strategy=HPUDeepSpeedStrategy(config=config)).strategy
+    strategy._format_config()
+    with pytest.raises(ValueError, match="reduce_bucket_size.*hidden size"):  # zero.Init needs the whole config
+        strategy.module_sharded_context()
+
+
 # --------------------------------------------------------------------------- Gaudi wiring (test double)
 def hpu_fabric(**kwargs: Any) -> Fabric:
     kwargs.setdefault("strategy", HPUDeepSpeedStrategy(stage=2))
