@@ -1,7 +1,9 @@
 """DeepSpeed ZeRO for Lightning's Trainer on Intel Gaudi HPUs, CUDA GPUs and CPUs.
 
 Importing the package registers the ``hpu_deepspeed*`` strategy names and the ``"hpu"`` accelerator with
-Lightning, so ``Trainer(strategy="hpu_deepspeed_stage_3", accelerator="hpu")`` resolves. Registration
+Lightning's Trainer and with Fabric, so ``Trainer(strategy="hpu_deepspeed_stage_3", accelerator="hpu")`` and
+``Fabric(strategy="hpu_deepspeed_stage_3", accelerator="hpu")`` resolve (Fabric's strategy:
+``lightning_gaudi_ds.fabric.HPUDeepSpeedStrategy``). Registration
 overrides earlier entries of the same name, so importing (or reloading) twice is harmless.
 
 The package itself imports neither torch, Lightning nor DeepSpeed, so that ``lightning-gaudi-ds --help`` and the
@@ -87,7 +89,7 @@ _EXPORTS = {
     "plan_memory": "lightning_gaudi_ds.planning",
 }
 # Modules that register themselves with Lightning's registries when imported.
-_REGISTERING = ("lightning_gaudi_ds.accelerator", "lightning_gaudi_ds.strategy")
+_REGISTERING = ("lightning_gaudi_ds.accelerator", "lightning_gaudi_ds.strategy", "lightning_gaudi_ds.fabric")
 
 
 def __getattr__(name: str) -> Any:

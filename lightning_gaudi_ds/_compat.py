@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR_ALIAS_CONVERSION
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.strategies.deepspeed import _format_precision_config, _validate_device_index_selection
+from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
@@ -43,6 +44,7 @@ __all__ = [
     "_PRECISION_INPUT_STR_ALIAS_CONVERSION",
     "_format_precision_config",
     "_init_optimizers_and_lr_schedulers",
+    "_move_state_into",
     "_validate_device_index_selection",
     "attached_trainer",
     "created_deepspeed_accelerator",
@@ -186,16 +188,19 @@ def pin_device_count(count: int) -> Callable[[], None]:
 
 
 def start_children_with(launcher: Any, values: Callable[[], Mapping[str, str]]) -> None:
-    """Have Lightning's subprocess launcher start its ranks with ``values()`` in their environment.
+    """Have Lightning's (or Fabric's) subprocess launcher start its ranks with ``values()`` in their environment.
 
     ``_SubprocessScriptLauncher._call_children_scripts`` gives each child a copy of ``os.environ`` and takes nothing
     else: the values are in ``os.environ`` only while it starts them. Other launchers are left as they are.
     """
+    from lightning.fabric.strategies.launchers.subprocess_script import (
+        _SubprocessScriptLauncher as _FabricSubprocessScriptLauncher,
+    )
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
     from lightning_gaudi_ds._environ import scoped_environ
 
-    if not isinstance(launcher, _SubprocessScriptLauncher):
+    if not isinstance(launcher, (_SubprocessScriptLauncher, _FabricSubprocessScriptLauncher)):
         return
     start = launcher._call_children_scripts
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
 from lightning.fabric.accelerators.registry import _AcceleratorRegistry
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.types import _DEVICE
@@ -96,5 +97,7 @@ class HPUAccelerator(Accelerator):
         )
 
 
-# Defining the accelerator registers it, however this module was reached (see lightning_gaudi_ds/__init__.py).
+# Defining the accelerator registers it with the Trainer and with Fabric, however this module was reached (see
+# lightning_gaudi_ds/__init__.py).
 HPUAccelerator.register_accelerators(AcceleratorRegistry)
+HPUAccelerator.register_accelerators(ACCELERATOR_REGISTRY)

@@ -21,23 +21,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import functools
 import logging
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT, LRSchedulerConfig
 from torch import Tensor
 from torch.distributed import ReduceOp
@@ -52,33 +48,24 @@ from lightning_gaudi_ds._compat import (
     _init_optimizers_and_lr_schedulers,
     _StrategyRegistry,
     attached_trainer,
-    give_bf16_optimizer_zero_grad,
-    reset_zero3_trace_at_outer_forward_only,
-    set_deepspeed_accelerator,
-    start_children_with,
     weights_only_dropped_by_lightning,
 )
 from lightning_gaudi_ds.config import (
     ConfigError,
     StrategyConfig,
-    explicit_arguments,
     load_config,
     offloads_optimizer,
     publish_resolved,
 )
 from lightning_gaudi_ds.config.validate import (
-    check_arguments,
-    check_before_launch,
-    check_device_indices,
     check_trainer_flags,
 )
 from lightning_gaudi_ds.devices import DeviceSpec, device_spec
-from lightning_gaudi_ds.engine import checkpointing, inference, shutdown, train
-from lightning_gaudi_ds.engine.device import DeviceRuntime, hccl_reduce_input
+from lightning_gaudi_ds.engine import checkpointing, inference, process, train
+from lightning_gaudi_ds.engine.device import hccl_reduce
 from lightning_gaudi_ds.engine.step import step, third_party_deprecations_silenced
-from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV, prepare_startup
+from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV
 from lightning_gaudi_ds.launch.environments import check_launcher_world_size, resolve_environment
-from lightning_gaudi_ds.launch.rendezvous import bounded_rendezvous, rendezvous_timeout, waiting_message
 from lightning_gaudi_ds.planning.auto import AUTO
 
 if TYPE_CHECKING:
@@ -100,7 +87,7 @@ _REGISTERED: tuple[tuple[str, str, dict[str, Any]], ...] = (
 )
 
 
-class HPUDeepSpeedStrategy(DeepSpeedStrategy):
+class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
     """DeepSpeed ZeRO stages 0-3 (with CPU/NVMe offload) for Lightning on Intel Gaudi, CUDA GPUs and CPUs.
 
     Args:
@@ -171,23 +158,17 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         zero3_leaf_modules: Sequence[type[Module] | str] | None = None,
         **kwargs: Any,
     ) -> None:
-        auto_stage = check_arguments(
-            stage=stage, hpu_mode=hpu_mode, torch_compile=torch_compile, offload_optimizer=offload_optimizer,
-            offload_parameters=offload_parameters, measure_activations=measure_activations,
-            number_checkpoints=number_checkpoints, remote_device=remote_device, device_memory=device_memory,
-            config=config,
-        )
         arguments = dict(
             stage=stage, accelerator=accelerator, config=config, offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters, remote_device=remote_device, nvme_path=nvme_path,
             process_group_backend=process_group_backend, logging_level=logging_level, **kwargs,
         )
-        explicit = explicit_arguments(type(self), {**arguments, "number_checkpoints": number_checkpoints})
-        if auto_stage is not None:  # a placeholder until setup: Lightning builds its default config with it
-            arguments["stage"] = 2
-            explicit.pop("stage")
         # Created before Lightning's __init__, which loads the config through _load_config.
-        self._resolver = StrategyConfig(explicit, auto_stage)
+        self._resolver, arguments["stage"] = StrategyConfig.from_arguments(
+            type(self), arguments, hpu_mode=hpu_mode, torch_compile=torch_compile,
+            measure_activations=measure_activations, number_checkpoints=number_checkpoints,
+            device_memory=device_memory,
+        )
         self._inference_config: dict[str, Any] = {}  # the inference keys of `config`, set by _load_config
         # Each argument by name and `**kwargs` as such: jsonargparse (LightningCLI) follows `**kwargs` into
         # DeepSpeedStrategy's signature only when it is passed on unchanged.
@@ -196,31 +177,18 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             offload_parameters=offload_parameters, remote_device=remote_device, nvme_path=nvme_path,
             process_group_backend=process_group_backend, logging_level=logging_level, **kwargs,
         )
-        assert isinstance(self.config, dict)
-        self._resolver.adopt(self.config, user_config=config is not None, offload_parameters=offload_parameters)
-        if number_checkpoints is not None:
-            checkpointing.set_number_checkpoints(self.config, number_checkpoints)
-        self._runtime = DeviceRuntime(requested_mode=hpu_mode, requested_compile=torch_compile)
+        self._adopt_arguments(config=config, offload_parameters=offload_parameters,
+                              number_checkpoints=number_checkpoints, hpu_mode=hpu_mode, torch_compile=torch_compile,
+                              zero3_leaf_modules=zero3_leaf_modules)
         self._inference = inference.settings_from(
             dict(tensor_parallel=tensor_parallel, dtype=dtype, replace_with_kernel_inject=replace_with_kernel_inject,
                  injection_policy=injection_policy, replace_method=replace_method, enable_cuda_graph=enable_cuda_graph),
             self._inference_config,
         )
         if self._inference is not None:
-            zero_args = {**self._resolver.explicit_args, **({"stage": AUTO} if auto_stage is not None else {})}
+            zero_args = {**self._resolver.explicit_args, **({"stage": AUTO} if self._resolver.auto is not None else {})}
             inference.check_zero_options(self._inference, zero_args, self.config)
         self._inference_dtype: torch.dtype | None = None
-        self._leaf_modules = hf.leaf_module_classes(zero3_leaf_modules)
-
-    @property
-    def torch_compile(self) -> bool:
-        """Whether the engine is compiled after ``deepspeed.initialize`` (see the ``torch_compile`` argument)."""
-        return self._runtime.compile
-
-    @property
-    def hpu_mode(self) -> hpu.Mode | None:
-        """The Gaudi execution mode in force, once the Trainer chose an HPU."""
-        return self._runtime.mode
 
     # ----------------------------------------------------------------------------------------- set-up
     @property
@@ -232,34 +200,21 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     def _configure_launcher(self) -> None:
         # Called by the Trainer's constructor once accelerator and precision are known: the earliest point
         # at which a device/precision mismatch can be reported, before any process is started.
-        assert self.parallel_devices is not None and isinstance(self.config, dict)
-        check_before_launch(
-            devices=self.parallel_devices, precision=self.precision_plugin.precision, num_nodes=self.num_nodes,
-            cluster_environment=self.cluster_environment, auto_stage=self._resolver.auto, config=self.config,
-            config_source=self._resolver.source,
-        )
+        process.before_launch(self, self._runtime, self._resolver, self.precision_plugin.precision)
+        assert self.parallel_devices is not None
         if self._inference is not None:
             world = len(self.parallel_devices) * self.num_nodes
             inference.check_world(self._inference, world, self.parallel_devices[0].type)
             self._inference_dtype = inference.resolve_dtype(self._inference, self.precision_plugin.precision)
-        self._runtime.at_trainer(self.parallel_devices[0].type)
         super()._configure_launcher()
-        mode = self._runtime.mode
-        if mode is not None:  # HPU: the ranks Lightning's launcher starts get this mode and the Gaudi defaults
-            start_children_with(self._launcher, lambda: hpu.rank_env(mode))
+        process.after_launcher(self._launcher, self._runtime)
 
     @override
     def setup_environment(self) -> None:
         # A copy of Lightning 2.6.6's DeepSpeedStrategy.setup_environment without its gate that refuses every
         # accelerator but CUDA; plus the device's preparation before the process group starts.
         self._validate_trainer_flags()
-        spec = self.device_spec
-        self._runtime.before_accelerator_selected(spec.device_type, self.num_processes)
-        self._select_deepspeed_accelerator(spec)
-        self._runtime.after_accelerator_selected(spec.device_type)
-        if spec.device_type == "hpu":
-            self.set_world_ranks()  # HCCL is prepared before the device is touched
-            hpu.init_distributed(self.world_size, self.global_rank, self.local_rank)
+        process.prepare_device(self, self._runtime, self._select_deepspeed_accelerator, self.set_world_ranks)
         DDPStrategy.setup_environment(self)
 
     @override
@@ -268,37 +223,15 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         # without an index (CPU, HPU), plus the JIT-op start-up: on every rank, before DeepSpeed builds anything,
         # clear stale build locks and decide whether the CPU shm comm op is loaded (else plain torch.distributed
         # collectives).
-        assert self.parallel_devices is not None
-        check_device_indices(self.parallel_devices)
-        reset_seed()
-        self.set_world_ranks()
         # Tensor parallelism decides whether DeepSpeed's CPU shm all-reduce is loaded (training leaves it off).
         mode = inference.shm_comm_mode(self._inference, self.world_size, os.environ.get(SHM_MODE_ENV))
-        prepare_startup(self.device_spec.deepspeed_accelerator, offloads_optimizer(self.config), self.world_size,
-                        shm_comm=mode, local_size=self._runtime.local_size)
-        with self._runtime.deepspeed_calls():
-            self._init_deepspeed_distributed()
+        process.start_distributed(self, self._runtime, set_world_ranks=self.set_world_ranks,
+                                  init=self._init_deepspeed_distributed,
+                                  offload=offloads_optimizer(self.config), shm_comm=mode)
 
     @override
     def _init_deepspeed_distributed(self) -> None:
-        # Lightning's call, with the rendezvous bounded by LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT and announced while it
-        # waits (a second node that was never started would otherwise hang silently for the process group's 30
-        # minutes); the process group's own timeout applies again once it has formed.
-        limit = rendezvous_timeout()
-        full = self._timeout if self._timeout is not None else default_pg_timeout
-        env = self.cluster_environment
-        assert env is not None
-        what = waiting_message(self.global_rank, self.world_size, self.num_nodes, self.num_processes,
-                               env.main_address, env.main_port)
-
-        def set_timeout(timeout: timedelta) -> None:
-            self._timeout = timeout
-
-        # Announced across nodes only: on one node the other ranks are starting (imports take seconds).
-        started = not torch.distributed.is_initialized()
-        bounded_rendezvous(super()._init_deepspeed_distributed, what, full, set_timeout, limit=limit,
-                           announce=self.local_rank == 0 and self.num_nodes > 1)
-        shutdown.end_at_exit(started)  # ours ends at exit, its C++ threads joined before finalization
+        process.bounded_init(self, super()._init_deepspeed_distributed)
 
     @override
     def _get_process_group_backend(self) -> str:
@@ -306,9 +239,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     def _select_deepspeed_accelerator(self, spec: DeviceSpec) -> None:
         """Make DeepSpeed's global accelerator match the Trainer's device (DS_ACCELERATOR may differ)."""
-        previous = set_deepspeed_accelerator(spec.deepspeed_accelerator)
-        if previous is not None:
-            rank_zero_info(f"DeepSpeed accelerator: {spec.deepspeed_accelerator} (was {previous})")
+        process.set_deepspeed_accelerator(spec)
 
     def _validate_trainer_flags(self) -> None:
         """Trainer settings DeepSpeed cannot honour, reported before the process group starts."""
@@ -337,9 +268,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     # ------------------------------------------------------------------------------------- engine
     def _deepspeed_args(self) -> argparse.Namespace:
-        # Lightning passes root_device.index, which is None on CPU and HPU; DeepSpeed needs the local rank.
-        index = self.root_device.index
-        return argparse.Namespace(device_rank=self.local_rank if index is None else index)
+        return process.deepspeed_args(self.root_device, self.local_rank)
 
     @override
     def _setup_model_and_optimizer(
@@ -351,21 +280,10 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         # A copy of Lightning 2.6.6's DeepSpeedStrategy._setup_model_and_optimizer, with the device rank from
         # _deepspeed_args (CPU and HPU devices have no index), and a copy of the config: DeepSpeed 0.16 (Habana's
         # fork) pops keys out of the dict it is given (optimizer.params' torch_adam, adam_w_mode).
-        import deepspeed
-
         self._mark_leaf_modules(model)
-        with self._runtime.deepspeed_calls():
-            engine, ds_optimizer, _, _ = deepspeed.initialize(
-                args=self._deepspeed_args(),
-                config=copy.deepcopy(self.config),
-                model=model,
-                model_parameters=[p for p in model.parameters() if p.requires_grad],
-                optimizer=optimizer,
-                lr_scheduler=lr_scheduler,
-                dist_init_required=False,
-            )
-        reset_zero3_trace_at_outer_forward_only(engine)
-        give_bf16_optimizer_zero_grad(ds_optimizer)
+        assert isinstance(self.config, dict)
+        engine, ds_optimizer, _ = process.initialize(self._runtime, self._deepspeed_args(), self.config, model,
+                                                     optimizer, lr_scheduler)
         return engine, ds_optimizer
 
     @override
@@ -383,10 +301,6 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         self._mark_leaf_modules(model)
         self.model = inference.init_zero_engine(model, self.config, self._deepspeed_args(),
                                                 zero_stage_3=self.zero_stage_3)
-
-    def _mark_leaf_modules(self, model: Module) -> None:
-        if self._leaf_modules and self.zero_stage_3:
-            hf.mark_leaf_modules(model, self._leaf_modules)
 
     @override
     def _initialize_deepspeed_train(self, model: Module) -> None:
@@ -474,11 +388,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     ) -> Tensor:
         if self._get_process_group_backend() != "hccl" or not isinstance(tensor, Tensor):
             return super().reduce(tensor, group, reduce_op)
-        tensor, mean = hccl_reduce_input(tensor, self.root_device, reduce_op)
-        if not mean:
-            return super().reduce(tensor, group, reduce_op)
-        size = torch.distributed.get_world_size(group) if group is not None else self.world_size
-        return super().reduce(tensor, group, "sum") / size
+        return hccl_reduce(super().reduce, tensor, group, reduce_op, self.root_device, self.world_size)
 
     @override
     def on_train_end(self) -> None:
@@ -486,11 +396,6 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         module = self.lightning_module
         if self.zero_stage_3 and module is not None and any(_is_partition(p) for p in module.parameters()):
             rank_zero_warn(train.PARTITIONED_AFTER_FIT)
-
-    @override
-    def teardown(self) -> None:
-        super().teardown()
-        self._runtime.teardown()
 
     # ------------------------------------------------------ DeepSpeed JSON config: load, "auto", contradictions
     # Lightning's __init__ calls _load_config; setup (and ZeRO-3's model_sharded_context) call _init_config_if_needed.
@@ -509,11 +414,6 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def _format_config(self) -> None:
         self.config = self._resolver.resolve_for(self)
-
-    @property
-    def chosen_configuration(self) -> dict[str, Any] | None:
-        """``stage="auto"``: the configuration setup chose (stage, offload), None before or for a fixed stage."""
-        return self._resolver.chosen
 
     @override
     def on_train_start(self) -> None:

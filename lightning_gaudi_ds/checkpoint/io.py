@@ -491,18 +491,20 @@ class SaveComm(RankZeroComm, Protocol):
 
 def save(
     checkpoint: Mapping[str, Any], filepath: PathLike, comm: SaveComm, write: Callable[[str], object],
-    zero_stage: Callable[[], int],
+    zero_stage: Callable[[], int], weights_only: bool | None = None,
 ) -> None:
     """Crash-safe save: every rank writes its shard with ``write`` into ``<name>.partial``; rank 0 adds the manifest
     and renames it into place only after every rank wrote, so ``<name>`` is always complete.
 
-    ``zero_stage`` is read on rank 0 when the checkpoint is committed.
+    ``zero_stage`` is read on rank 0 when the checkpoint is committed. ``weights_only``: whether the manifest says
+    the checkpoint loads with ``weights_only=True`` (default: a Trainer checkpoint without scheduler state).
     """
     final = comm.broadcast(str(filepath))
     staging = partial_path(final)
     on_rank_zero(comm, f"Preparing {staging}", lambda: prepare_save(final))
     write(str(staging))
     comm.barrier("lightning_gaudi_ds.save_checkpoint.written")  # every rank has written its shard
-    weights_only = "lr_schedulers" not in checkpoint
+    if weights_only is None:
+        weights_only = "lr_schedulers" not in checkpoint
     on_rank_zero(comm, f"Committing checkpoint {final}", lambda: commit_save(
         staging, final, zero_stage(), comm.world_size, weights_only))

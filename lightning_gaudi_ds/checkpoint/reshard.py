@@ -21,6 +21,7 @@ from torch.nn import Module
 from lightning_gaudi_ds import _compat
 from lightning_gaudi_ds.checkpoint.io import (
     PARTIAL,
+    TRAINER_OPT_IN,
     CheckpointError,
     CheckpointInfo,
     PathLike,
@@ -128,8 +129,10 @@ def load_fp32_weights(
 
 
 def load_checkpoint(
-    path: PathLike, comm: ReshardComm, *, zero_stage: int, module: LightningModule | None, fitting: bool | None,
+    path: PathLike, comm: ReshardComm, *, zero_stage: int, module: LightningModule | Module | None,
+    fitting: bool | None,
     engine: DeepSpeedEngine | None, deepspeed_load: Callable[[], dict[str, Any]], weights_only: bool | None = None,
+    strict: bool | None = None, opt_in: str = TRAINER_OPT_IN,
 ) -> dict[str, Any]:
     """Validate the ZeRO checkpoint at ``path`` against the running ``zero_stage``, then load it the way the run
     allows; returns the client (Lightning) state.
@@ -141,7 +144,7 @@ def load_checkpoint(
 
     Args:
         comm: the running job (world size, rank 0, broadcast).
-        module: the LightningModule, if any.
+        module: the LightningModule (under Fabric, the module the engine wraps), if any.
         fitting: whether the attached Trainer fits; None when no Trainer is attached.
         engine: the DeepSpeed engine built for this run.
         weights_only: Lightning's switch (``trainer.fit(..., weights_only=...)``); None is torch's default (True).
@@ -149,17 +152,21 @@ def load_checkpoint(
             unpickler (DeepSpeed's own readers and ``zero_to_fp32`` cannot be told ``weights_only``), and a file
             holding anything but tensors, builtins and DeepSpeed's few checkpoint classes is refused with an
             :class:`~lightning_gaudi_ds.checkpoint.UnsafeCheckpointError` before anything else reads it.
+        strict: whether the module's keys must match (default: the LightningModule's ``strict_loading``).
+        opt_in: how the error for an unsafe checkpoint tells the user to opt in (Trainer or Fabric wording).
     """
-    info = validate_checkpoint(path, zero_stage=zero_stage, weights_only=weights_only)
-    verify_checkpoint(info.path, weights_only)
+    info = validate_checkpoint(path, zero_stage=zero_stage, weights_only=weights_only, opt_in=opt_in)
+    verify_checkpoint(info.path, weights_only, opt_in)
+    if strict is None:
+        strict = bool(getattr(module, "strict_loading", True))
     # DeepSpeed's readers pass weights_only=False, which TORCH_FORCE_WEIGHTS_ONLY_LOAD=1 overrides: allow its types
     with deepspeed_types_allowed() if resolve_weights_only(weights_only) else contextlib.nullcontext():
         if zero_stage == 3 and module is not None and fitting is False:
-            return load_fp32_weights(info, comm, module, strict=module.strict_loading, weights_only=weights_only)
+            return load_fp32_weights(info, comm, module, strict=bool(strict), weights_only=weights_only)
         if info.world_size == comm.world_size or info.zero_stage == 0:
             return deepspeed_load()
         assert module is not None
         if fitting is None:  # no Trainer attached: Lightning's own error
-            fitting = module.trainer.state.fn == "fit"
-        return load_resharded(info, comm, engine, module, fitting=fitting, strict=module.strict_loading,
+            fitting = module.trainer.state.fn == "fit"  # type: ignore[union-attr]
+        return load_resharded(info, comm, engine, module, fitting=fitting, strict=bool(strict),
                               weights_only=weights_only)

@@ -17,15 +17,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_gaudi_ds._compat import _format_precision_config, attached_trainer, train_dataloaders
 from lightning_gaudi_ds.config.load import check_activation_checkpointing
-from lightning_gaudi_ds.config.resolve import AutoContext, ConfigResolver
+from lightning_gaudi_ds.config.resolve import AutoContext, ConfigResolver, explicit_arguments
 from lightning_gaudi_ds.config.sizing import hidden_size, mark_model_buckets, shared_batch_size
-from lightning_gaudi_ds.config.validate import check_argument_config, check_offload
+from lightning_gaudi_ds.config.validate import check_argument_config, check_arguments, check_offload
 from lightning_gaudi_ds.devices import device_spec
 from lightning_gaudi_ds.planning import auto
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DeepSpeedStrategy
+    from torch.nn import Module
 
     from lightning_gaudi_ds.planning.auto import AutoStage
 
@@ -45,6 +46,31 @@ class StrategyConfig(ConfigResolver):
         # What the last resolution was made for: the Trainer (weakly: an id is reused after garbage collection),
         # its TrainerFn and whether the module had parameters yet.
         self._for: tuple[weakref.ref[pl.Trainer] | None, Any, bool] | None = None
+
+    @classmethod
+    def from_arguments(
+        cls, strategy_cls: type, arguments: Mapping[str, Any], *, hpu_mode: Any, torch_compile: Any,
+        measure_activations: Any, number_checkpoints: Any, device_memory: Any,
+    ) -> tuple[StrategyConfig, Any]:
+        """A strategy's arguments checked (:func:`~lightning_gaudi_ds.config.validate.check_arguments`), and its
+        config state; returns it and the ``stage`` to hand to Lightning's ``__init__`` (2, a placeholder until
+        setup, for ``stage="auto"``: Lightning builds its default config with it).
+
+        ``arguments``: those named like Lightning's ``DeepSpeedStrategy`` arguments (``stage``, ``config``,
+        offload, ``remote_device``, ...), the rest by keyword.
+        """
+        stage = arguments["stage"]
+        auto_stage = check_arguments(
+            stage=stage, hpu_mode=hpu_mode, torch_compile=torch_compile,
+            offload_optimizer=arguments["offload_optimizer"], offload_parameters=arguments["offload_parameters"],
+            measure_activations=measure_activations, number_checkpoints=number_checkpoints,
+            remote_device=arguments["remote_device"], device_memory=device_memory, config=arguments["config"],
+        )
+        explicit = explicit_arguments(strategy_cls, {**arguments, "number_checkpoints": number_checkpoints})
+        if auto_stage is not None:
+            stage = 2
+            explicit.pop("stage")
+        return cls(explicit, auto_stage), stage
 
     def load(self, config: Any) -> dict[str, Any] | None:
         loaded = super().load(config)
@@ -88,49 +114,56 @@ class StrategyConfig(ConfigResolver):
 
     def resolve_for(self, strategy: DeepSpeedStrategy) -> dict[str, Any]:
         """The unresolved config with every ``"auto"`` filled from the strategy's Trainer, module and devices."""
-        assert isinstance(strategy.config, dict)
         module = strategy.lightning_module
         trainer = attached_trainer(module)
         fit = trainer if trainer is not None and trainer.state.fn == TrainerFn.FITTING else None
+        total = None
+        if fit is not None and "scheduler" in (strategy.config or {}):
+            steps = fit.estimated_stepping_batches
+            total = int(steps) if steps != float("inf") else None
+        return self.resolve_with(
+            strategy, module, strategy.precision_plugin.precision,
+            accumulate_grad_batches=trainer.accumulate_grad_batches if trainer is not None else 1,
+            micro_batch_size=shared_batch_size(train_dataloaders(fit)) if fit is not None else None,
+            gradient_clip_val=trainer.gradient_clip_val if trainer is not None else None,
+            hparams=dict(getattr(module, "hparams", None) or {}),
+            total_steps=total,
+            fitting=fit is not None,
+        )
+
+    def resolve_with(self, strategy: Any, module: Module | None, precision: str, **facts: Any) -> dict[str, Any]:
+        """The unresolved config of ``strategy`` (Lightning's or Fabric's ``DeepSpeedStrategy``) with every
+        ``"auto"`` filled from ``module``, ``precision``, the strategy's devices and ``facts`` (the
+        :class:`AutoContext` fields a Trainer knows: batch sizes, accumulation, clipping, steps, hparams)."""
+        assert isinstance(strategy.config, dict)
         hidden = hidden_size(module) if module is not None else None
         config = self.start(strategy.config, hidden)
-        precision = strategy.precision_plugin.precision
         _format_precision_config(  # Lightning's fp16 block (loss-scale arguments) where the config has none
             config, precision, strategy.loss_scale, strategy.loss_scale_window, strategy.min_loss_scale,
             strategy.initial_scale_power, strategy.hysteresis,
         )
         spec = device_spec(strategy.root_device) if strategy.parallel_devices else None
-        total = None
-        if fit is not None and "scheduler" in config:
-            steps = fit.estimated_stepping_batches
-            total = int(steps) if steps != float("inf") else None
         return self.resolve(config, AutoContext(
-            world_size=strategy.world_size,
-            accumulate_grad_batches=trainer.accumulate_grad_batches if trainer is not None else 1,
-            micro_batch_size=shared_batch_size(train_dataloaders(fit)) if fit is not None else None,
-            gradient_clip_val=trainer.gradient_clip_val if trainer is not None else None,
-            precision=precision,
-            hparams=dict(getattr(module, "hparams", None) or {}),
-            total_steps=total,
-            hidden_size=hidden,
-            fitting=fit is not None,
+            world_size=strategy.world_size, precision=precision, hidden_size=hidden,
             device_type=spec.device_type if spec is not None else None,
-            zero_defaults=spec.zero_defaults if spec is not None else {},
+            zero_defaults=spec.zero_defaults if spec is not None else {}, **facts,
         ))
 
-    def choose(self, strategy: DeepSpeedStrategy) -> None:
+    def choose(self, strategy: Any, module: Module | None = None, precision: str | None = None) -> None:
         """stage='auto': plan for the real model and devices, agree on rank 0's choice, write it into the config.
 
         Runs before the config's first resolution: in ZeRO-3's ``model_sharded_context`` before ``configure_model``
-        (the parameters are counted on a meta-device copy), else at ``setup``.
+        (the parameters are counted on a meta-device copy), else at ``setup``; under Fabric when the model is set
+        up (``module`` and ``precision``: default, the Trainer's).
         """
         config = strategy.config
-        if self.auto is None or not auto.pending(config) or strategy.lightning_module is None:
+        module = module if module is not None else getattr(strategy, "lightning_module", None)
+        if self.auto is None or not auto.pending(config) or module is None:
             return
         assert strategy.parallel_devices is not None and isinstance(config, dict)
         decision = auto.decide(
-            strategy.lightning_module, self.auto, device=strategy.root_device, devices=len(strategy.parallel_devices),
-            nodes=strategy.num_nodes, precision=strategy.precision_plugin.precision,
+            module, self.auto, device=strategy.root_device, devices=len(strategy.parallel_devices),
+            nodes=strategy.num_nodes, precision=precision or strategy.precision_plugin.precision,
             zero_config=lambda: self.as_resolved(config).get("zero_optimization"),
         ) if strategy.is_global_zero else ("", None)
         decision = strategy.broadcast(decision, src=0) if strategy.world_size > 1 else decision

@@ -144,3 +144,16 @@ def hccl_reduce_input(tensor: Tensor, device: torch.device, reduce_op: Any) -> t
     mean = is_mean(reduce_op)
     dtype = torch.get_default_dtype() if mean and not tensor.is_floating_point() else None
     return tensor.to(device=device, dtype=dtype), mean
+
+
+def hccl_reduce(
+    reduce: Callable[[Tensor, Any, Any], Tensor], tensor: Tensor, group: Any, reduce_op: Any, device: torch.device,
+    world_size: int,
+) -> Tensor:
+    """``reduce(tensor, group, reduce_op)`` (the strategy's reduce or all-reduce) on hccl: the tensor on the card,
+    a mean as a sum divided by the ranks (see :func:`hccl_reduce_input`)."""
+    tensor, mean = hccl_reduce_input(tensor, device, reduce_op)
+    if not mean:
+        return reduce(tensor, group, reduce_op)
+    size = torch.distributed.get_world_size(group) if group is not None else world_size
+    return reduce(tensor, group, "sum") / size

@@ -1,0 +1,189 @@
+"""What a rank does around DeepSpeed, shared by the Trainer strategy and the Fabric strategy: DeepSpeed's accelerator
+made the strategy's device, the process group started (bounded rendezvous, JIT-op start-up, ended at exit) and
+``deepspeed.initialize`` called with the device rank and a copy of the config.
+
+The functions read plain facts off the strategy (``root_device``, ranks, ``cluster_environment``): both Lightning's
+and Fabric's ``DeepSpeedStrategy`` have them under the same names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.seed import reset_seed
+from torch.nn import Module
+
+from lightning_gaudi_ds import hf, hpu
+from lightning_gaudi_ds._compat import (
+    give_bf16_optimizer_zero_grad,
+    reset_zero3_trace_at_outer_forward_only,
+    start_children_with,
+)
+from lightning_gaudi_ds._compat import set_deepspeed_accelerator as _set_deepspeed_accelerator
+from lightning_gaudi_ds.config.state import StrategyConfig
+from lightning_gaudi_ds.config.validate import check_before_launch, check_device_indices
+from lightning_gaudi_ds.devices import DeviceSpec, device_spec
+from lightning_gaudi_ds.engine import checkpointing, shutdown
+from lightning_gaudi_ds.engine.device import DeviceRuntime
+from lightning_gaudi_ds.jit_ops.startup import prepare_startup
+from lightning_gaudi_ds.launch.rendezvous import bounded_rendezvous, rendezvous_timeout, waiting_message
+
+
+class StrategyCommon:
+    """What the Trainer's and Fabric's ``HPUDeepSpeedStrategy`` share of their state, as a mixin before Lightning's
+    ``DeepSpeedStrategy``: the config's state (``_resolver``), the device's (``_runtime``) and ZeRO-3's leaf
+    modules, set from the arguments once Lightning's ``__init__`` has built or loaded the config."""
+
+    config: Any
+    zero_stage_3: bool
+    _resolver: StrategyConfig
+
+    def _adopt_arguments(
+        self, *, config: Any, offload_parameters: bool, number_checkpoints: int | None, hpu_mode: hpu.Mode | None,
+        torch_compile: bool | None, zero3_leaf_modules: Sequence[type[Module] | str] | None,
+    ) -> None:
+        assert isinstance(self.config, dict)
+        self._resolver.adopt(self.config, user_config=config is not None, offload_parameters=offload_parameters)
+        if number_checkpoints is not None:
+            checkpointing.set_number_checkpoints(self.config, number_checkpoints)
+        self._runtime = DeviceRuntime(requested_mode=hpu_mode, requested_compile=torch_compile)
+        self._leaf_modules = hf.leaf_module_classes(zero3_leaf_modules)
+
+    @property
+    def torch_compile(self) -> bool:
+        """Whether the engine is compiled after ``deepspeed.initialize`` (see the ``torch_compile`` argument)."""
+        return self._runtime.compile
+
+    @property
+    def hpu_mode(self) -> hpu.Mode | None:
+        """The Gaudi execution mode in force, once the Trainer (or Fabric) chose an HPU."""
+        return self._runtime.mode
+
+    @property
+    def chosen_configuration(self) -> dict[str, Any] | None:
+        """``stage="auto"``: the configuration setup chose (stage, offload), None before or for a fixed stage."""
+        return self._resolver.chosen
+
+    def _mark_leaf_modules(self, model: Module) -> None:
+        if self._leaf_modules and self.zero_stage_3:
+            hf.mark_leaf_modules(model, self._leaf_modules)
+
+    def teardown(self) -> None:
+        super().teardown()  # type: ignore[misc]
+        self._runtime.teardown()
+
+
+def before_launch(strategy: Any, runtime: DeviceRuntime, resolver: StrategyConfig, precision: str) -> None:
+    """Once accelerator and precision are known (the Trainer's or Fabric's constructor, in ``_configure_launcher``),
+    before any process is started: the checks of :func:`~lightning_gaudi_ds.config.validate.check_before_launch`,
+    and the Gaudi execution mode fixed (see :meth:`DeviceRuntime.at_trainer`)."""
+    assert strategy.parallel_devices is not None and isinstance(strategy.config, dict)
+    check_before_launch(
+        devices=strategy.parallel_devices, precision=precision, num_nodes=strategy.num_nodes,
+        cluster_environment=strategy.cluster_environment, auto_stage=resolver.auto, config=strategy.config,
+        config_source=resolver.source,
+    )
+    runtime.at_trainer(strategy.parallel_devices[0].type)
+
+
+def after_launcher(launcher: Any, runtime: DeviceRuntime) -> None:
+    """On an HPU, the ranks Lightning's (or Fabric's) launcher starts get the execution mode and the Gaudi defaults."""
+    mode = runtime.mode
+    if mode is not None:
+        start_children_with(launcher, lambda: hpu.rank_env(mode))
+
+
+def set_deepspeed_accelerator(spec: DeviceSpec) -> None:
+    """Make DeepSpeed's global accelerator match the strategy's device (DS_ACCELERATOR may differ)."""
+    previous = _set_deepspeed_accelerator(spec.deepspeed_accelerator)
+    if previous is not None:
+        rank_zero_info(f"DeepSpeed accelerator: {spec.deepspeed_accelerator} (was {previous})")
+
+
+def prepare_device(
+    strategy: Any, runtime: DeviceRuntime, select: Callable[[DeviceSpec], None], set_world_ranks: Callable[[], None]
+) -> None:
+    """In ``setup_environment``, before the process group starts: DeepSpeed's accelerator selected (``select``) and
+    the device prepared; on an HPU, HCCL set up before the device is touched."""
+    spec = device_spec(strategy.root_device)
+    runtime.before_accelerator_selected(spec.device_type, strategy.num_processes)
+    select(spec)
+    runtime.after_accelerator_selected(spec.device_type)
+    if spec.device_type == "hpu":
+        set_world_ranks()
+        hpu.init_distributed(strategy.world_size, strategy.global_rank, strategy.local_rank)
+
+
+def start_distributed(
+    strategy: Any, runtime: DeviceRuntime, *, set_world_ranks: Callable[[], None], init: Callable[[], None],
+    offload: bool, shm_comm: Any,
+) -> None:
+    """Lightning's ``setup_distributed`` for DeepSpeed, with the device-index check only where devices have an
+    index (CUDA), and the JIT-op start-up on every rank before DeepSpeed builds anything (stale build locks cleared;
+    ``shm_comm``: whether the CPU shm comm op is loaded). ``init`` starts the process group."""
+    assert strategy.parallel_devices is not None
+    check_device_indices(strategy.parallel_devices)
+    reset_seed()
+    set_world_ranks()
+    prepare_startup(device_spec(strategy.root_device).deepspeed_accelerator, offload, strategy.world_size,
+                    shm_comm=shm_comm, local_size=runtime.local_size)
+    with runtime.deepspeed_calls():
+        init()
+
+
+def bounded_init(strategy: Any, init: Callable[[], None]) -> None:
+    """Lightning's ``_init_deepspeed_distributed`` (``init``), with the rendezvous bounded by
+    LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT and announced while it waits (a second node that was never started would
+    otherwise hang silently for the process group's 30 minutes); the group's own timeout applies once it has formed.
+    A group this started ends at interpreter exit (:mod:`lightning_gaudi_ds.engine.shutdown`)."""
+    limit = rendezvous_timeout()
+    full = strategy._timeout if strategy._timeout is not None else default_pg_timeout
+    env = strategy.cluster_environment
+    assert env is not None
+    what = waiting_message(strategy.global_rank, strategy.world_size, strategy.num_nodes, strategy.num_processes,
+                           env.main_address, env.main_port)
+
+    def set_timeout(timeout: timedelta) -> None:
+        strategy._timeout = timeout
+
+    # Announced across nodes only: on one node the other ranks are starting (imports take seconds).
+    started = not torch.distributed.is_initialized()
+    bounded_rendezvous(init, what, full, set_timeout, limit=limit,
+                       announce=strategy.local_rank == 0 and strategy.num_nodes > 1)
+    shutdown.end_at_exit(started)  # ours ends at exit, its C++ threads joined before finalization
+
+
+def deepspeed_args(root_device: torch.device, local_rank: int) -> argparse.Namespace:
+    """Lightning passes ``root_device.index``, which is None on CPU and HPU; DeepSpeed needs the local rank."""
+    index = root_device.index
+    return argparse.Namespace(device_rank=local_rank if index is None else index)
+
+
+def initialize(
+    runtime: DeviceRuntime, args: argparse.Namespace, config: dict[str, Any], model: Module, optimizer: Any,
+    lr_scheduler: Any,
+) -> tuple[Any, Any, Any]:
+    """``deepspeed.initialize`` -> ``(engine, optimizer, lr_scheduler)``, with a copy of the config (DeepSpeed 0.16,
+    Habana's fork, pops keys out of the dict it is given) and the variables DeepSpeed reads set for the call."""
+    import deepspeed
+
+    with runtime.deepspeed_calls():
+        engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
+            args=args,
+            config=copy.deepcopy(config),
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+    reset_zero3_trace_at_outer_forward_only(engine)
+    give_bf16_optimizer_zero_grad(ds_optimizer)
+    return engine, ds_optimizer, ds_scheduler

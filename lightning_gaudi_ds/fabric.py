@@ -1,0 +1,263 @@
+"""``HPUDeepSpeedStrategy`` for Lightning Fabric: Fabric's DeepSpeed strategy made device-neutral (HPU, CUDA, CPU).
+
+Fabric's ``DeepSpeedStrategy`` refuses every accelerator but CUDA. This subclass overrides only what depends on the
+device or on this package, and delegates as the Trainer strategy (:mod:`lightning_gaudi_ds.strategy`) does: argument
+checks and the config with ``"auto"`` filled to :class:`lightning_gaudi_ds.config.StrategyConfig`, the device and the
+process group to :mod:`lightning_gaudi_ds.engine.process` and :mod:`lightning_gaudi_ds.engine.device`. ``setup``,
+``backward``, ``no_backward_sync``, ``all_reduce``, ``barrier``, ``broadcast``, ``init_module`` (ZeRO-3's
+``zero.Init``) and ``save``/``load`` are Fabric's own.
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="hpu_deepspeed_stage_3", precision="bf16-mixed")
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, ExitStack
+from typing import TYPE_CHECKING, Any, Literal
+
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
+from lightning.fabric.strategies.ddp import DDPStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_gaudi_ds import checkpoint as ckpt
+from lightning_gaudi_ds import hf, hpu
+from lightning_gaudi_ds._compat import _PATH, _move_state_into
+from lightning_gaudi_ds.config import ConfigError, StrategyConfig, offloads_optimizer
+from lightning_gaudi_ds.devices import device_spec
+from lightning_gaudi_ds.engine import checkpointing, inference, process, train
+from lightning_gaudi_ds.engine.device import hccl_reduce
+from lightning_gaudi_ds.engine.step import step
+from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV
+from lightning_gaudi_ds.strategy import _REGISTERED
+
+if TYPE_CHECKING:
+    import deepspeed
+
+
+class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
+    """DeepSpeed ZeRO stages 0-3 (with CPU/NVMe offload) for Lightning Fabric on Intel Gaudi, CUDA GPUs and CPUs.
+
+    The arguments are those of the Trainer's :class:`lightning_gaudi_ds.HPUDeepSpeedStrategy` (checked with the same
+    errors), less its inference-engine ones: ``stage`` (0-3 or ``"auto"``: chosen when ``fabric.setup`` sees the
+    model), ``device_memory``, ``measure_activations``, ``config`` (path or dict, ``PL_DEEPSPEED_CONFIG_PATH`` when
+    unset; its ``"auto"`` values are filled from Fabric's precision, world size and the model), offload,
+    ``hpu_mode``, ``torch_compile``, ``number_checkpoints``, ``zero3_leaf_modules``, and every other argument of
+    :class:`lightning.fabric.strategies.DeepSpeedStrategy` by keyword.
+    """
+
+    def __init__(
+        self,
+        stage: int | Literal["auto"] = 2,
+        *,
+        device_memory: int | str | None = None,
+        measure_activations: bool = False,
+        accelerator: Accelerator | None = None,
+        config: _PATH | dict[str, Any] | None = None,
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        remote_device: str | None = None,
+        nvme_path: str = "/local_nvme",
+        process_group_backend: str | None = None,
+        logging_level: int = logging.WARN,
+        hpu_mode: hpu.Mode | None = None,
+        torch_compile: bool | None = None,
+        number_checkpoints: int | None = None,
+        zero3_leaf_modules: Sequence[type[Module] | str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        arguments = dict(
+            stage=stage, accelerator=accelerator, config=config, offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters, remote_device=remote_device, nvme_path=nvme_path,
+            process_group_backend=process_group_backend, logging_level=logging_level, **kwargs,
+        )
+        # Created before Fabric's __init__, which loads the config through _load_config.
+        self._resolver, arguments["stage"] = StrategyConfig.from_arguments(
+            type(self), arguments, hpu_mode=hpu_mode, torch_compile=torch_compile,
+            measure_activations=measure_activations, number_checkpoints=number_checkpoints,
+            device_memory=device_memory,
+        )
+        super().__init__(**arguments)
+        self._adopt_arguments(config=config, offload_parameters=offload_parameters,
+                              number_checkpoints=number_checkpoints, hpu_mode=hpu_mode, torch_compile=torch_compile,
+                              zero3_leaf_modules=zero3_leaf_modules)
+        self._unresolved: ConfigError | None = None  # set up before the model: what only the model can resolve
+
+    # ----------------------------------------------------------------------------------------- set-up
+    @override
+    def _configure_launcher(self) -> None:
+        # Called by Fabric's constructor once accelerator and precision are known: checked before any process starts.
+        process.before_launch(self, self._runtime, self._resolver, self.precision.precision)
+        super()._configure_launcher()
+        process.after_launcher(self._launcher, self._runtime)
+
+    @override
+    def setup_environment(self) -> None:
+        # Fabric's without its gate that refuses every accelerator but CUDA, plus the device's preparation.
+        process.prepare_device(self, self._runtime, process.set_deepspeed_accelerator, self._set_world_ranks)
+        DDPStrategy.setup_environment(self)
+
+    @override
+    def _setup_distributed(self) -> None:
+        mode = inference.shm_comm_mode(None, self.world_size, os.environ.get(SHM_MODE_ENV))
+        process.start_distributed(self, self._runtime, set_world_ranks=self._set_world_ranks,
+                                  init=self._init_deepspeed_distributed, offload=offloads_optimizer(self.config),
+                                  shm_comm=mode)
+        self._format_config()
+        self._config_initialized = True
+
+    @override
+    def _init_deepspeed_distributed(self) -> None:
+        process.bounded_init(self, super()._init_deepspeed_distributed)
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        return self._process_group_backend or device_spec(self.root_device).backend
+
+    # ------------------------------------------------------ DeepSpeed JSON config: load, "auto", contradictions
+    @override
+    def _load_config(self, config: _PATH | dict[str, Any] | None) -> dict[str, Any] | None:
+        return self._resolver.load(config)
+
+    @override
+    def _format_config(self) -> None:
+        # Before the model exists (fabric.init_module's zero.Init reads it); resolved again with the model in setup.
+        # An "auto" only the model can fill (bucket sizes) waits for setup, unless zero.Init needs it first.
+        try:
+            self.config = self._resolver.resolve_with(self, None, self.precision.precision)
+            self._unresolved = None
+        except ConfigError as error:
+            self._unresolved = error
+
+    # ------------------------------------------------------------------------------------- engine
+    @override
+    def _initialize_engine(
+        self, model: Module, optimizer: Optimizer | None = None, scheduler: Any | None = None
+    ) -> tuple[deepspeed.DeepSpeedEngine, Optimizer, Any]:
+        # Fabric's, with stage="auto" chosen and "auto" filled for this model, ZeRO-Offload's optimizer conversion,
+        # the device rank from the local rank (CPU and HPU devices have no index), and the engine compiled if asked.
+        precision = self.precision.precision
+        self._resolver.choose(self, model, precision)
+        self.config = self._resolver.resolve_with(self, model, precision)
+        if optimizer is not None:
+            optimizer, _ = train.optimizer_sources(self.config, optimizer, None)
+        self._mark_leaf_modules(model)
+        self._runtime.before_engine(model, self.root_device)
+        engine, ds_optimizer, ds_scheduler = process.initialize(
+            self._runtime, process.deepspeed_args(self.root_device, self.local_rank), self.config, model, optimizer,
+            scheduler,
+        )
+        self._runtime.compile_engine(engine)
+        return engine, ds_optimizer, ds_scheduler
+
+    @override
+    def _set_deepspeed_activation_checkpointing(self) -> None:
+        # Fabric's version drops the number of checkpoints: DeepSpeed reads the whole section itself.
+        assert isinstance(self.config, dict)
+        checkpointing.configure(self.config)
+
+    @override
+    def module_sharded_context(self) -> AbstractContextManager:
+        # Under ZeRO-3, transformers is told too, so that `from_pretrained` inside fabric.init_module loads into the
+        # partitions (lightning_gaudi_ds.hf).
+        if self._unresolved is not None and self.zero_stage_3:
+            raise self._unresolved
+        stack = ExitStack()
+        stack.enter_context(hf.zero3_loading(self.config if self.zero_stage_3 else None))
+        stack.enter_context(super().module_sharded_context())
+        return stack
+
+    # ------------------------------------------ engine calls: HPU lazy-mode graph breaks (engine.step)
+    @override
+    def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
+        with step(self._runtime):
+            super().backward(tensor, module, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        with step(self._runtime):
+            return super().optimizer_step(optimizer, **kwargs)
+
+    @override
+    def all_reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor:
+        if self._get_process_group_backend() != "hccl" or not isinstance(tensor, Tensor):
+            return super().all_reduce(tensor, group, reduce_op)
+        return hccl_reduce(super().all_reduce, tensor, group, reduce_op, self.root_device, self.world_size)
+
+    # ------------------------------------------- checkpoints: crash-safe saves, validation, resharding
+    # As under the Trainer (lightning_gaudi_ds.checkpoint): saved into `<path>.partial` and renamed into place once
+    # every rank wrote its shard; validated before DeepSpeed reads it, resharded when the world size changed.
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage of the resolved DeepSpeed config (0-3)."""
+        assert isinstance(self.config, dict)
+        return int((self.config.get("zero_optimization") or {}).get("stage", 0))
+
+    @override
+    def save_checkpoint(
+        self, path: _PATH, state: dict[str, Any], storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        if storage_options is not None or filter is not None or len(_engines(state)) != 1:  # Fabric's own errors
+            return super().save_checkpoint(path, state, storage_options, filter)
+        # The client state is whatever the user put in `state`: not claimed to load with weights_only=True.
+        ckpt.save({}, path, self, functools.partial(super().save_checkpoint, state=state), lambda: self.zero_stage,
+                  weights_only=False)
+
+    @override
+    def load_checkpoint(
+        self, path: _PATH, state: Module | Optimizer | dict[str, Any] | None = None, strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        engines = _engines(state) if isinstance(state, dict) else []
+        if len(engines) != 1 or (self.load_full_weights and self.zero_stage_3):  # Fabric's own paths and errors
+            return super().load_checkpoint(path, state, strict, weights_only)
+        assert isinstance(state, dict)
+        path = self.broadcast(path)
+        engine = engines[0]
+        loaded_by_deepspeed = []
+
+        def deepspeed_load() -> dict[str, Any]:
+            loaded_by_deepspeed.append(True)
+            return super(HPUDeepSpeedStrategy, self).load_checkpoint(path, state, strict, weights_only)
+
+        client_state = ckpt.load_checkpoint(
+            path, self, zero_stage=self.zero_stage, module=engine.module, fitting=engine.optimizer is not None,
+            engine=engine, deepspeed_load=deepspeed_load, weights_only=weights_only, strict=strict,
+            opt_in=_FABRIC_OPT_IN,
+        )
+        if not loaded_by_deepspeed:  # resharded: the user's other state goes back into `state` as Fabric's does
+            keys = set(client_state) & set(state) - {"optimizer", "lr_scheduler"}
+            _move_state_into(source=client_state, destination=state, keys=keys)
+        return client_state
+
+    # ---------------------------------------------------------------------------------- registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name, description, kwargs in _REGISTERED:
+            strategy_registry.register(name, cls, description=description, override=True, **kwargs)
+
+
+_FABRIC_OPT_IN = "pass `weights_only=False` to fabric.load"
+
+
+def _engines(state: Any) -> list[Any]:
+    from deepspeed import DeepSpeedEngine
+
+    return [value for value in state.values() if isinstance(value, DeepSpeedEngine)]
+
+
+# Defining the strategy registers its names with Fabric (lightning_gaudi_ds/__init__.py imports this module once
+# Lightning is imported).
+HPUDeepSpeedStrategy.register_strategies(STRATEGY_REGISTRY)
+
+__all__ = ["HPUDeepSpeedStrategy"]

@@ -1,0 +1,158 @@
+"""Lightning Fabric with ``lightning_gaudi_ds.fabric.HPUDeepSpeedStrategy`` on 2 CPU ranks (gloo): one launch, many
+runs, each in a new ``Fabric`` (the first ``fabric.launch()`` starts rank 1; later ones find it started).
+
+Runs: the registered strategy names at ZeRO stages 0-3 in fp32 and bf16-mixed, Fabric's DDP as the reference, a
+ZeRO-3 model built under ``fabric.init_module(empty_init=True)``, and ``fabric.save``/``fabric.load`` with a resume.
+Each rank writes ``rank<N>.json``: per run, its losses and what it saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import INPUTS, OUTPUTS, make_data
+from lightning.fabric import Fabric
+from torch import nn
+
+import lightning_gaudi_ds  # noqa: F401  (registers hpu_deepspeed* with Fabric)
+from lightning_gaudi_ds.checkpoint import MANIFEST, partial_path
+
+STEPS, BATCH, WIDTH, LR = 4, 8, 512, 1e-3
+
+
+def make_model() -> nn.Module:
+    # 512 x 512 = 262k elements: above ZeRO-3's persistence threshold (1e5), so stage 3 partitions it.
+    return nn.Sequential(nn.Linear(INPUTS, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+                         nn.Linear(WIDTH, OUTPUTS))
+
+
+def batches(rank: int, world: int, start: int = 0, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    data = make_data()
+    out = []
+    for step in range(start, start + steps):
+        i = (step * world + rank) * BATCH
+        out.append((data.tensors[0][i:i + BATCH], data.tensors[1][i:i + BATCH]))
+    return out
+
+
+def fabric_for(strategy: Any, precision: str = "32-true") -> Fabric:
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, precision=precision)
+    fabric.launch()
+    return fabric
+
+
+def train(fabric: Fabric, model: nn.Module, optimizer: Any, start: int = 0, steps: int = STEPS) -> list[float]:
+    losses = []
+    for x, y in batches(fabric.global_rank, fabric.world_size, start, steps):
+        x, y = fabric.to_device(x), fabric.to_device(y)
+        loss = nn.functional.mse_loss(model(x).float(), y.float())
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def run(strategy: Any, precision: str = "32-true", init_module: bool = False) -> dict[str, Any]:
+    fabric = fabric_for(strategy, precision)
+    fabric.seed_everything(7)
+    if init_module:
+        with fabric.init_module(empty_init=True):
+            model = make_model()
+    else:
+        model = make_model()
+    partitioned = [p.numel() == 0 and getattr(p, "ds_numel", 0) > 0 for p in model.parameters()]
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    model, optimizer = fabric.setup(model, optimizer)
+    losses = train(fabric, model, optimizer)
+    mean = fabric.all_reduce(torch.tensor(float(fabric.global_rank)), reduce_op="mean")
+    gathered = fabric.broadcast(f"rank{fabric.global_rank}", src=1)
+    fabric.barrier()
+    result = {
+        "strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__,
+        "losses": losses, "partitioned": partitioned, "all_reduce_mean": float(mean), "broadcast": gathered,
+    }
+    if hasattr(fabric.strategy, "zero_stage_3"):
+        result["zero_stage"] = fabric.strategy.config["zero_optimization"]["stage"]
+        result["bf16"] = bool((fabric.strategy.config.get("bf16") or {}).get("enabled"))
+        result["param_dtype"] = str(next(iter(model.module.parameters())).dtype)
+    return result
+
+
+def eval_loss(model: Any, fabric: Fabric) -> float:
+    x, y = make_data().tensors
+    with torch.no_grad():
+        return float(nn.functional.mse_loss(model(fabric.to_device(x[:16])).float(), fabric.to_device(y[:16])))
+
+
+def save_and_resume(strategy: str, directory: Path) -> dict[str, Any]:
+    fabric = fabric_for(strategy)
+    fabric.seed_everything(7)
+    model = make_model()
+    model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=LR))
+    first = train(fabric, model, optimizer, 0, 2)
+    fabric.save(directory, {"model": model, "optimizer": optimizer, "step": 2})
+    saved = {"manifest": (directory / MANIFEST).is_file(), "partial": partial_path(directory).exists(),
+             "eval_at_save": eval_loss(model, fabric)}
+    continued = train(fabric, model, optimizer, 2, 2)
+
+    fabric = fabric_for(strategy)
+    fabric.seed_everything(99)  # other initial weights: only the checkpoint can make the losses agree
+    model = make_model()
+    model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=LR))
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
+    fabric.load(directory, state)
+    resumed = train(fabric, model, optimizer, int(state["step"]), 2)
+    return {"first": first, "continued": continued, "resumed": resumed, "step": state["step"], **saved}
+
+
+def reload(strategy: str, directory: Path, devices: int) -> dict[str, Any]:
+    """Another world size: a new model, the checkpoint loaded (resharded), its loss on fixed data."""
+    fabric = Fabric(accelerator="cpu", devices=devices, strategy=strategy)
+    fabric.launch()
+    fabric.seed_everything(99)
+    model = make_model()
+    model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=LR))
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
+    fabric.load(directory, state)
+    loss = eval_loss(model, fabric)
+    after_step = train(fabric, model, optimizer, 2, 1)  # the resharded optimizer state steps too
+    return {"eval": loss, "step": state["step"], "after_step": after_step}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--reload", type=Path, help="load the checkpoints under this folder on --devices ranks")
+    parser.add_argument("--devices", type=int, default=1)
+    args = parser.parse_args()
+    out = args.out
+    results: dict[str, Any] = {}
+    if args.reload is not None:
+        for stage in (2, 3):
+            results[f"reload_stage{stage}"] = reload(f"hpu_deepspeed_stage_{stage}", args.reload / str(stage),
+                                                     args.devices)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(results))
+        return
+    # A DeepSpeed run first: the strategy that starts the process group ends it at exit (engine/shutdown.py).
+    for stage in (0, 1, 2, 3):
+        name = f"hpu_deepspeed_stage_{stage}" if stage else lightning_gaudi_ds.fabric.HPUDeepSpeedStrategy(stage=0)
+        results[f"fp32_stage{stage}"] = run(name)
+    results["ddp"] = run("ddp")
+    for stage in (0, 1, 2, 3):
+        results[f"bf16_stage{stage}"] = run(lightning_gaudi_ds.fabric.HPUDeepSpeedStrategy(stage=stage), "bf16-mixed")
+    results["init_module_stage3"] = run("hpu_deepspeed_stage_3", init_module=True)
+    results["offload_stage2"] = run("hpu_deepspeed_stage_2_offload")  # torch Adam becomes DeepSpeedCPUAdam
+    for stage in (2, 3):
+        results[f"resume_stage{stage}"] = save_and_resume(f"hpu_deepspeed_stage_{stage}", out / "ckpt" / str(stage))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
