@@ -52,12 +52,15 @@ from lightning_gaudi_ds._compat import (
     _init_optimizers_and_lr_schedulers,
     _StrategyRegistry,
     attached_trainer,
+    calling_trainer,
     give_bf16_optimizer_zero_grad,
+    hook_ckpt_path,
     reset_zero3_trace_at_outer_forward_only,
     set_deepspeed_accelerator,
     start_children_with,
     weights_only_dropped_by_lightning,
 )
+from lightning_gaudi_ds.checkpoint import resume
 from lightning_gaudi_ds.config import (
     ConfigError,
     StrategyConfig,
@@ -489,8 +492,23 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def teardown(self) -> None:
+        resume.save_on_preemption(self, attached_trainer(self.lightning_module))
         super().teardown()
         self._runtime.teardown()
+
+    # ----------------------------------- resuming: ckpt_path="last", restarts (lightning_gaudi_ds.checkpoint.resume)
+    @property
+    def _lightning_module(self) -> pl.LightningModule | None:
+        return self.__dict__.get("_lgds_module")
+
+    @_lightning_module.setter
+    def _lightning_module(self, module: pl.LightningModule | None) -> None:
+        # Trainer.fit / validate / test / predict set this first, before they resolve ckpt_path: the moment to
+        # have that Trainer resolve "last" (and a restart's default) with the crash-safe checkpoints.
+        self.__dict__["_lgds_module"] = module
+        trainer = calling_trainer()
+        if trainer is not None and trainer.strategy is self:
+            hook_ckpt_path(trainer, functools.partial(resume.resolve_ckpt_path, trainer))
 
     # ------------------------------------------------------ DeepSpeed JSON config: load, "auto", contradictions
     # Lightning's __init__ calls _load_config; setup (and ZeRO-3's model_sharded_context) call _init_config_if_needed.

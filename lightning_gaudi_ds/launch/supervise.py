@@ -79,6 +79,10 @@ class Supervisor:
         self.timeout = timeout
         self.tail_lines = tail_lines
         self._stop_signal: int | None = None
+        self.failure: Failure | None = None  # after run(): what ended the job, if it did not succeed
+        self.signalled = False  # after run(): the supervisor itself was asked to stop (SIGINT/SIGTERM/SIGHUP)
+        self.ended_at = 0.0  # after run(): time.monotonic() when the end (or the failure) was seen
+        self.code = 0  # after run(): what it returned
 
     def run(self, argv: Sequence[str], env: dict[str, str], run_dir: Path, token: str, keep_logs: bool) -> int:
         """Start ``argv`` (the launcher) and supervise it until every process of the job has ended.
@@ -102,10 +106,12 @@ class Supervisor:
             try:
                 failure, code = self._watch(launcher, run_dir, start, relay)
             finally:
+                self.ended_at = time.monotonic()
                 stopped = self._stop(launcher, token, clean_exit=failure is None and code == 0)
                 heartbeat.stop()  # ranks on other hosts stop by themselves once it is gone
                 relay.join()
         elapsed = time.monotonic() - start
+        self.failure, self.signalled = failure, self._stop_signal is not None
         if failure is not None:
             self._report(failure, stopped, elapsed)
             code = failure.returncode
@@ -117,6 +123,7 @@ class Supervisor:
             shutil.rmtree(run_dir, ignore_errors=True)
         elif code != 0 and keep_logs:
             say(f"per-rank logs: {run_dir}")
+        self.code = code
         return code
 
     def _watch(self, launcher: subprocess.Popen, run_dir: Path, start: float,

@@ -1,0 +1,81 @@
+"""A fit that a test interrupts, started by ``lightning-gaudi-ds spawn`` (torchrun, 2 ranks), for restarts.
+
+It passes no ``ckpt_path``: under a restart (``LIGHTNING_GAUDI_DS_RESTART`` > 0) the strategy resumes from "last".
+Every batch is the same data, and each step's loss is scaled by a function of the global step, so a run's final
+weights depend on which steps ran, once each, and not on where a resumed epoch reads its data.
+
+``--kill "attempt:step:rank:signal"`` (repeatable): on that start of the job (0: the first), when ``global_step``
+is ``step`` in ``training_step``, that rank (``all``: every rank) sends itself the signal (``KILL`` or ``TERM``).
+
+Each rank writes ``<out>/attempt<A>-rank<R>.json``: the global steps its ``training_step`` saw, the checkpoint it
+resumed from, and (rank 0 of a fit that completed) ``<out>/weights.pt``, the final fp32 weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from common import RegressionModel, start_process
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_gaudi_ds import HPUDeepSpeedStrategy
+
+ATTEMPT = int(os.environ.get("LIGHTNING_GAUDI_DS_RESTART", "0"))
+
+
+class StepModel(RegressionModel):
+    def __init__(self, kills: list[str], out: str) -> None:  # plain types: they go into the checkpoint's hparams
+        super().__init__(width=32, optimizer="adamw_exp", lr=0.01)
+        self.kills, self.out, self.seen = kills, Path(out), []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        step = self.trainer.global_step
+        self.seen.append(step)
+        self._record()
+        for kill in self.kills:
+            attempt, at, rank, sig = kill.split(":")
+            if int(attempt) == ATTEMPT and int(at) == step and rank in ("all", str(self.global_rank)):
+                os.kill(os.getpid(), getattr(signal, f"SIG{sig}"))
+        return self._loss(batch) * (1.0 + 0.25 * (step % 3))
+
+    def _record(self, **extra: Any) -> None:
+        path = self.out / f"attempt{ATTEMPT}-rank{self.global_rank}.json"
+        record = {"steps": self.seen, "resumed_from": self.trainer.ckpt_path and str(self.trainer.ckpt_path), **extra}
+        path.write_text(json.dumps(record))
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--kill", action="append", default=[])
+    args = parser.parse_args()
+    start_process()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)
+    data = TensorDataset(x.repeat(4, 1), y.repeat(4, 1))  # 2 ranks x 8: 2 steps per epoch, every batch the same
+    model = StepModel(args.kill, str(out))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=HPUDeepSpeedStrategy(stage=2), max_steps=args.steps, logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=str(out / "ckpt"), every_n_train_steps=2, save_top_k=-1, save_last=True)],
+    )
+    trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False))
+    model._record(done=True, global_step=trainer.global_step)
+    if trainer.global_rank == 0:
+        torch.save({k: v.detach().float().clone() for k, v in model.state_dict().items()}, out / "weights.pt")
+
+
+if __name__ == "__main__":
+    main()
