@@ -732,7 +732,8 @@ def last_checkpoint_candidates(trainer: pl.Trainer) -> set[str]:
     path and each ``ModelCheckpoint``'s ``last*.ckpt`` in its directory (``_find_last_checkpoints``)."""
     from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
-    candidates = {getattr(cb, "ckpt_path", None) for cb in trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)}
+    callbacks: list[Any] = getattr(trainer, "callbacks", [])
+    candidates = {getattr(cb, "ckpt_path", None) for cb in callbacks if isinstance(cb, OnExceptionCheckpoint)}
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint):
             candidates |= callback._find_last_checkpoints(trainer)

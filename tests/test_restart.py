@@ -71,7 +71,8 @@ def test_last_is_the_newest_complete_checkpoint(tmp_path: Path, monkeypatch: pyt
     monkeypatch.delenv(RESTART_ENV, raising=False)
     complete = fake_checkpoint(tmp_path, name="last.ckpt")
     time.sleep(0.05)
-    newer_incomplete = fake_checkpoint(tmp_path, name="last-v1.ckpt", skip=("zero_pp_rank_1_mp_rank_00_optim_states.pt",))
+    shard = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    newer_incomplete = fake_checkpoint(tmp_path, name="last-v1.ckpt", skip=(shard,))
     fake_checkpoint(tmp_path, name="last-v2.ckpt.partial", latest=False)  # a save in progress
     os.utime(newer_incomplete, (time.time() + 60, time.time() + 60))
     trainer = _trainer(tmp_path)
@@ -108,9 +109,9 @@ def test_last_on_a_first_run_is_lightnings_message_not_an_error(tmp_path: Path,
 STEPS = 10
 
 
-def spawn_job(out: Path, *extra: str, timeout: float = 600):
-    return run_job([*SPAWN, *extra, str(JOBS / "restart_job.py"), "--out", str(out), "--steps", str(STEPS)],
-                   timeout=timeout)
+def spawn_job(out: Path, spawn_args: tuple[str, ...] = (), job_args: tuple[str, ...] = (), timeout: float = 600):
+    return run_job([*SPAWN, *spawn_args, str(JOBS / "restart_job.py"), "--out", str(out), "--steps", str(STEPS),
+                    *job_args], timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +119,7 @@ def interrupted(tmp_path_factory: pytest.TempPathFactory):
     """Attempt 0: rank 1 SIGKILLs itself at step 5 (last save: step 4). Attempt 1: every rank SIGTERMs itself at
     step 6; the step ends, and the ranks save at the boundary (step 7) and exit 75. Attempt 2 runs to the end."""
     out = tmp_path_factory.mktemp("interrupted")
-    result = spawn_job(out, "--max_restarts", "2", "--kill", "0:5:1:KILL", "--kill", "1:6:all:TERM")
+    result = spawn_job(out, ("--max_restarts", "2"), ("--kill", "0:5:1:KILL", "--kill", "1:6:all:TERM"))
     return out, result
 
 

@@ -32,6 +32,7 @@ import psutil
 
 from lightning_gaudi_ds.launch._proc import (
     HEARTBEAT_NAME,
+    PREEMPTED_EXIT,
     describe_exit,
     exit_code,
     say,
@@ -117,6 +118,9 @@ class Supervisor:
             code = failure.returncode
         elif code != 0:
             self._say_stopped(stopped)
+            if self._stop_signal is not None and _all_preempted(run_dir):
+                say(f"every rank saved a checkpoint and exited with {PREEMPTED_EXIT} (preempted).")
+                code = PREEMPTED_EXIT
         elif stopped.pids:
             say(f"{len(stopped.pids)} process(es) of the job outlived the launcher and were stopped: {stopped.pids}")
         if code == 0 and not keep_logs:
@@ -296,6 +300,12 @@ class _RankTable:
         if not failures:
             return None
         return min(failures, key=lambda item: item[0])[1]
+
+
+def _all_preempted(run_dir: Path) -> bool:
+    """Whether every rank recorded the preemption exit code (it saved a checkpoint after SIGTERM)."""
+    records = _RankTable(run_dir).records().values()
+    return bool(records) and all(record.get("returncode") == PREEMPTED_EXIT for record in records)
 
 
 def _alive(proc: psutil.Process | None) -> bool:

@@ -33,21 +33,24 @@ ATTEMPT = int(os.environ.get("LIGHTNING_GAUDI_DS_RESTART", "0"))
 class StepModel(RegressionModel):
     def __init__(self, kills: list[str], out: str) -> None:  # plain types: they go into the checkpoint's hparams
         super().__init__(width=32, optimizer="adamw_exp", lr=0.01)
-        self.kills, self.out, self.seen = kills, Path(out), []
+        self.kills, self.out, self.seen, self.lrs, self.losses = kills, Path(out), [], [], []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         step = self.trainer.global_step
+        loss = self._loss(batch)
         self.seen.append(step)
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+        self.losses.append(float(loss.detach()))
         self._record()
         for kill in self.kills:
             attempt, at, rank, sig = kill.split(":")
             if int(attempt) == ATTEMPT and int(at) == step and rank in ("all", str(self.global_rank)):
                 os.kill(os.getpid(), getattr(signal, f"SIG{sig}"))
-        return self._loss(batch) * (1.0 + 0.25 * (step % 3))
+        return loss * (1.0 + 0.25 * (step % 3))
 
     def _record(self, **extra: Any) -> None:
         path = self.out / f"attempt{ATTEMPT}-rank{self.global_rank}.json"
-        record = {"steps": self.seen, "resumed_from": self.trainer.ckpt_path and str(self.trainer.ckpt_path), **extra}
+        record = {"steps": self.seen, "lrs": self.lrs, "losses": self.losses, "resumed_from": self.trainer.ckpt_path and str(self.trainer.ckpt_path), **extra}
         path.write_text(json.dumps(record))
 
 
