@@ -1,8 +1,10 @@
 """A fit that a test interrupts, started by ``lightning-gaudi-ds spawn`` (torchrun, 2 ranks), for restarts.
 
 It passes no ``ckpt_path``: under a restart (``LIGHTNING_GAUDI_DS_RESTART`` > 0) the strategy resumes from "last".
-Every batch is the same data, and each step's loss is scaled by a function of the global step, so a run's final
-weights depend on which steps ran, once each, and not on where a resumed epoch reads its data.
+Each rank trains on one fixed batch of its own (the loader only paces the steps), and each step's loss is scaled by
+a function of the global step, so a run's final weights depend on which steps ran, once each, and not on where a
+resumed epoch reads its data: Lightning re-reads a plain DataLoader's epoch from its start when it resumes from a
+checkpoint saved mid-epoch (its warning says so; a resumable loader, with ``state_dict``, avoids it).
 
 ``--kill "attempt:step:rank:signal"`` (repeatable): on that start of the job (0: the first), when ``global_step``
 is ``step`` in ``training_step``, that rank (``all``: every rank) sends itself the signal (``KILL`` or ``TERM``).
@@ -34,13 +36,22 @@ class StepModel(RegressionModel):
     def __init__(self, kills: list[str], out: str) -> None:  # plain types: they go into the checkpoint's hparams
         super().__init__(width=32, optimizer="adamw_exp", lr=0.01)
         self.kills, self.out, self.seen, self.lrs, self.losses = kills, Path(out), [], [], []
+        self.sums: list[float] = []
+        self.batches: list[float] = []
+        self.fixed: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
+
+    def on_fit_start(self) -> None:
+        g = torch.Generator().manual_seed(3 + self.global_rank)  # each rank its own batch, the same every step
+        self.fixed = (torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g))
+        self.start_sum = 0.0
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         step = self.trainer.global_step
-        loss = self._loss(batch)
+        loss = self._loss(self.fixed)  # not the loader's batch: a mid-epoch resume re-reads the epoch (see above)
         self.seen.append(step)
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
         self.losses.append(float(loss.detach()))
+        self.batches.append(float(batch[0].double().sum()))  # what the loader gave (recorded, not trained on)
         self._record()
         for kill in self.kills:
             attempt, at, rank, sig = kill.split(":")
@@ -48,9 +59,20 @@ class StepModel(RegressionModel):
                 os.kill(os.getpid(), getattr(signal, f"SIG{sig}"))
         return loss * (1.0 + 0.25 * (step % 3))
 
+    def _weights_sum(self) -> float:
+        return float(sum(p.detach().double().sum() for p in self.parameters()))
+
+    def on_train_start(self) -> None:
+        self.start_sum = self._weights_sum()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.sums.append(self._weights_sum())
+
     def _record(self, **extra: Any) -> None:
         path = self.out / f"attempt{ATTEMPT}-rank{self.global_rank}.json"
-        record = {"steps": self.seen, "lrs": self.lrs, "losses": self.losses, "resumed_from": self.trainer.ckpt_path and str(self.trainer.ckpt_path), **extra}
+        record = {"steps": self.seen, "lrs": self.lrs, "losses": self.losses, "sums": self.sums, "batches": self.batches,
+                  "sampler": repr(self.trainer.train_dataloader.sampler) if self.trainer.train_dataloader else None,
+                  "start_sum": self.start_sum, "resumed_from": self.trainer.ckpt_path and str(self.trainer.ckpt_path), **extra}
         path.write_text(json.dumps(record))
 
 
