@@ -213,24 +213,26 @@ class DistributedRunner:
                 say(f"restart {attempt} of {self.max_restarts}: starting the job again"
                     f" {time.monotonic() - ended:.1f} s after the failure; the ranks resume from the newest complete"
                     " checkpoint (ckpt_path='last'), which rank 0 names.")
-            supervisor = self._run_one(user, index, attempt)
-            if supervisor.code == 0:
+            code, supervisor = self._run_one(user, index, attempt)
+            if code == 0:
                 if failures:
                     say(f"the job completed after {attempt} restart(s).")
                 return 0
+            if not self.max_restarts:
+                return code
             ended = supervisor.ended_at
             failure = supervisor.failure
             who = "the job" if failure is None or failure.rank is None else f"rank {failure.rank}"
-            why = failure.how if failure is not None else f"exit code {supervisor.code}"
+            why = failure.how if failure is not None else f"exit code {code}"
             failures.append(f"attempt {attempt + 1}: {who} failed: {why}")
-            if supervisor.signalled or supervisor.code == 124 or not self.max_restarts:
-                return supervisor.code
+            if supervisor.signalled or code == 124:
+                return code
         say(f"max_restarts={self.max_restarts} exhausted; the job failed {len(failures)} times:")
         for line in failures:
             say(f"  {line}")
-        return supervisor.code
+        return code
 
-    def _run_one(self, user: list[str], index: int, attempt: int = 0) -> Supervisor:
+    def _run_one(self, user: list[str], index: int, attempt: int = 0) -> tuple[int, Supervisor]:
         token = uuid.uuid4().hex
         if self.log_dir is not None:  # a fresh directory per run: records of an earlier run must not be read
             run_dir = self.log_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{token[:6]}-cmd{index}"
@@ -259,8 +261,7 @@ class DistributedRunner:
             say(f"{self.launcher}, world size {self.world_size}: {shlex.join(argv)}")
             supervisor = Supervisor(self.stop_timeout, self.timeout, self.tail_lines, self.spec.hosts,
                                     self._no_rank_hint(port))
-            supervisor.run(argv, env, run_dir, token, keep)
-            return supervisor
+            return supervisor.run(argv, env, run_dir, token, keep), supervisor
         finally:
             for path in private:
                 path.unlink(missing_ok=True)

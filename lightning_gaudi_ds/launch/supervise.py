@@ -83,7 +83,6 @@ class Supervisor:
         self.failure: Failure | None = None  # after run(): what ended the job, if it did not succeed
         self.signalled = False  # after run(): the supervisor itself was asked to stop (SIGINT/SIGTERM/SIGHUP)
         self.ended_at = 0.0  # after run(): time.monotonic() when the end (or the failure) was seen
-        self.code = 0  # after run(): what it returned
 
     def run(self, argv: Sequence[str], env: dict[str, str], run_dir: Path, token: str, keep_logs: bool) -> int:
         """Start ``argv`` (the launcher) and supervise it until every process of the job has ended.
@@ -127,7 +126,6 @@ class Supervisor:
             shutil.rmtree(run_dir, ignore_errors=True)
         elif code != 0 and keep_logs:
             say(f"per-rank logs: {run_dir}")
-        self.code = code
         return code
 
     def _watch(self, launcher: subprocess.Popen, run_dir: Path, start: float,

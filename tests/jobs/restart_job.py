@@ -70,9 +70,11 @@ class StepModel(RegressionModel):
 
     def _record(self, **extra: Any) -> None:
         path = self.out / f"attempt{ATTEMPT}-rank{self.global_rank}.json"
-        record = {"steps": self.seen, "lrs": self.lrs, "losses": self.losses, "sums": self.sums, "batches": self.batches,
-                  "sampler": repr(self.trainer.train_dataloader.sampler) if self.trainer.train_dataloader else None,
-                  "start_sum": self.start_sum, "resumed_from": self.trainer.ckpt_path and str(self.trainer.ckpt_path), **extra}
+        loader = self.trainer.train_dataloader
+        record = {"steps": self.seen, "lrs": self.lrs, "losses": self.losses, "sums": self.sums,
+                  "batches": self.batches, "sampler": repr(loader.sampler) if loader is not None else None,
+                  "start_sum": self.start_sum, "resumed_from": self.trainer.ckpt_path and str(self.trainer.ckpt_path),
+                  **extra}
         path.write_text(json.dumps(record))
 
 
