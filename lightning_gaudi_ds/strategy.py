@@ -492,9 +492,11 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def teardown(self) -> None:
-        resume.save_on_preemption(self, attached_trainer(self.lightning_module))
-        super().teardown()
-        self._runtime.teardown()
+        try:
+            resume.save_on_preemption(self, attached_trainer(self.lightning_module))
+        finally:
+            super().teardown()
+            self._runtime.teardown()
 
     # ----------------------------------- resuming: ckpt_path="last", restarts (lightning_gaudi_ds.checkpoint.resume)
     @property
