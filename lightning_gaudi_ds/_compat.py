@@ -738,3 +738,9 @@ def last_checkpoint_candidates(trainer: pl.Trainer) -> set[str]:
         if isinstance(callback, ModelCheckpoint):
             candidates |= callback._find_last_checkpoints(trainer)
     return {str(c) for c in candidates if c}
+
+
+def note_sigterm(trainer: pl.Trainer) -> None:
+    """Set what ``Trainer.received_sigterm`` reads (``_SignalConnector.received_sigterm``, Lightning 2.6.6), as
+    Lightning's own SIGTERM handler does: the loops then stop every rank at the end of the batch."""
+    trainer._signal_connector.received_sigterm = True

@@ -214,6 +214,7 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
             inference.check_zero_options(self._inference, zero_args, self.config)
         self._inference_dtype: torch.dtype | None = None
         self._leaf_modules = hf.leaf_module_classes(zero3_leaf_modules)
+        self._preemption = resume.PreemptionWatch()
 
     @property
     def torch_compile(self) -> bool:
@@ -545,10 +546,18 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         # Published only now: a file in the logger's directory before training starts would make CSVLogger warn
         # that the directory "exists and is not empty".
         trainer = attached_trainer(self.lightning_module)
+        self._preemption.install(self)  # after Lightning's own SIGTERM handler, which it registers before this
         pending = self._resolver.take_unpublished() if trainer is not None else None
         if trainer is not None and pending is not None:
             log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank calls it
             publish_resolved(*pending, log_dir, rank_zero=self.is_global_zero)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        trainer = attached_trainer(self.lightning_module)
+        if trainer is not None:
+            self._preemption.at_batch_start(self, trainer)
 
     # ------------------------------------------------ external launchers (torchrun, deepspeed, mpirun)
     @override

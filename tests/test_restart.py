@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -116,10 +117,12 @@ def spawn_job(out: Path, spawn_args: tuple[str, ...] = (), job_args: tuple[str, 
 
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory: pytest.TempPathFactory):
-    """Attempt 0: rank 1 SIGKILLs itself at step 5 (last save: step 4). Attempt 1: every rank SIGTERMs itself at
-    step 6; the step ends, and the ranks save at the boundary (step 7) and exit 75. Attempt 2 runs to the end."""
+    """Attempt 0: rank 1 SIGKILLs itself at step 5 (last save: step 4). Attempt 1: SIGTERM reaches the ranks at
+    different steps (rank 1 in step 5, rank 0 in step 6); they agree at the start of step 6, which ends, and save at
+    that boundary (step 7) and exit 75. Attempt 2 runs to the end."""
     out = tmp_path_factory.mktemp("interrupted")
-    result = spawn_job(out, ("--max_restarts", "2"), ("--kill", "0:5:1:KILL", "--kill", "1:6:all:TERM"))
+    result = spawn_job(out, ("--max_restarts", "2"),
+                       ("--kill", "0:5:1:KILL", "--kill", "1:5:1:TERM", "--kill", "1:6:0:TERM"))
     return out, result
 
 
@@ -135,7 +138,7 @@ def test_restarts_resume_exactly(interrupted, tmp_path: Path) -> None:
     assert steps[0]["steps"] == [0, 1, 2, 3, 4, 5] and steps[0]["resumed_from"] is None
     last = str(out / "ckpt" / "last.ckpt")
     assert steps[1]["steps"] == [4, 5, 6] and steps[1]["resumed_from"] == last  # the save at step 4
-    # SIGTERM during step 6: step 6 ends, the checkpoint is taken at that boundary, and nothing is run twice or lost
+    # SIGTERM seen by all at step 6: step 6 ends, the checkpoint is taken at that boundary, no step twice or lost
     assert f"SIGTERM: saved {last} at step 7; exiting with {PREEMPTED_EXIT}" in text
     assert steps[2]["steps"] == [7, 8, 9] and steps[2]["resumed_from"] == last and steps[2]["global_step"] == STEPS
     assert json.loads((out / "attempt2-rank1.json").read_text())["steps"] == [7, 8, 9]
@@ -165,3 +168,26 @@ def test_exhausted_restarts_name_every_failure(tmp_path: Path) -> None:
     assert "max_restarts=1 exhausted; the job failed 2 times:" in result.output
     assert "attempt 1: rank 1 failed: exited with exit code 3" in result.output
     assert "attempt 2: rank 1 failed: exited with exit code 3" in result.output
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_the_runner_saves_and_exits_75(tmp_path: Path) -> None:
+    """What Kubernetes and SLURM do: SIGTERM to the job's processes, here the runner, which passes it on."""
+    from lightning_gaudi_ds.checkpoint import validate_checkpoint
+    from tests.procs import LiveJob
+
+    args = [*SPAWN, str(JOBS / "restart_job.py"), "--out", str(tmp_path), "--steps", "1000"]
+    job = LiveJob(args)
+    try:
+        job.wait_for("step 3 rank 1", timeout=400)
+        job.send_signal(signal.SIGTERM)
+        result = job.wait(timeout=120)
+    finally:
+        if job.proc.poll() is None:
+            job.kill()
+    assert result.returncode == PREEMPTED_EXIT, result.output[-3000:]
+    assert f"every rank saved a checkpoint and exited with {PREEMPTED_EXIT} (preempted)" in result.output
+    saved = int(result.output.split("SIGTERM: saved ")[1].split(" at step ")[1].split(";")[0])
+    last_step = json.loads((tmp_path / "attempt0-rank0.json").read_text())["steps"][-1]
+    assert saved == last_step + 1  # the step under way when SIGTERM came ended, then the save: none lost
+    assert validate_checkpoint(tmp_path / "ckpt" / "last.ckpt").has_manifest

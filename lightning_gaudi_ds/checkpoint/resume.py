@@ -109,3 +109,52 @@ def save_on_preemption(strategy: Any, trainer: Any) -> str | None:
     rank_zero_info(f"SIGTERM: saved {path} at step {trainer.global_step}; exiting with {PREEMPTED_EXIT} (preempted).")
     exc.code = PREEMPTED_EXIT
     return path
+
+
+class PreemptionWatch:
+    """SIGTERM noted without collectives, and agreed on by every rank at the start of each training batch.
+
+    Lightning's own SIGTERM handler broadcasts from inside the signal handler, on each rank that gets the signal: when
+    the ranks get it at different moments (a scheduler signals every process, the launcher passes it on) those
+    broadcasts pair with other collectives and the ranks hang until SIGKILL. This handler, installed for the fit
+    (Lightning puts the original handlers back in its teardown), only takes note; ``at_batch_start`` (one
+    one-element all-reduce per batch) sets Lightning's ``received_sigterm`` on every rank in the same batch once any
+    rank got it, so Lightning stops all of them after that step and the strategy saves.
+    """
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def install(self, strategy: Any) -> None:
+        import signal
+        import threading
+
+        from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self.seen = False
+
+        def note(signum: int, frame: Any) -> None:
+            if not self.seen:
+                import logging
+
+                logging.getLogger(__name__).info(rank_prefixed_message(
+                    f"Received SIGTERM: {signum}; saving a checkpoint after this step", strategy.local_rank))
+                launcher = strategy.launcher
+                if launcher is not None:  # Lightning's own launcher: its other ranks get it too, as Lightning does
+                    launcher.kill(signum)
+            self.seen = True
+
+        signal.signal(signal.SIGTERM, note)
+
+    def at_batch_start(self, strategy: Any, trainer: Any) -> None:
+        import torch
+
+        from lightning_gaudi_ds import _compat
+
+        flag = torch.tensor([1.0 if self.seen else 0.0], device=strategy.root_device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and strategy.world_size > 1:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if flag.item() > 0:
+            _compat.note_sigterm(trainer)

@@ -39,7 +39,7 @@ from lightning_gaudi_ds.launch._proc import (
     signal_when_parent_dies,
 )
 from lightning_gaudi_ds.launch.hostfile import Host
-from lightning_gaudi_ds.launch.plan import RUN_ID_ENV
+from lightning_gaudi_ds.launch.plan import RUN_ID_ENV, SHIM
 
 
 @dataclass
@@ -189,7 +189,7 @@ class Supervisor:
         start = time.monotonic()
         procs = _job_processes(launcher, token)
         for p in procs:
-            if p.pid != launcher.pid:
+            if p.pid != launcher.pid and not _under_shim(p):  # a rank shim passes the signal on to its script
                 _signal(p, signal.SIGTERM)
         _, alive = psutil.wait_procs(procs, timeout=min(2.0, self.stop_timeout))
         for p in alive:
@@ -304,6 +304,15 @@ def _all_preempted(run_dir: Path) -> bool:
     """Whether every rank recorded the preemption exit code (it saved a checkpoint after SIGTERM)."""
     records = _RankTable(run_dir).records().values()
     return bool(records) and all(record.get("returncode") == PREEMPTED_EXIT for record in records)
+
+
+def _under_shim(proc: psutil.Process) -> bool:
+    """Whether ``proc`` is the script of a live rank shim, which forwards signals to it (once each)."""
+    try:
+        parent = proc.parent()
+        return parent is not None and SHIM in parent.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
 
 
 def _alive(proc: psutil.Process | None) -> bool:

@@ -53,6 +53,7 @@ class StepModel(RegressionModel):
         self.losses.append(float(loss.detach()))
         self.batches.append(float(batch[0].double().sum()))  # what the loader gave (recorded, not trained on)
         self._record()
+        print(f"step {step} rank {self.global_rank}", flush=True)
         for kill in self.kills:
             attempt, at, rank, sig = kill.split(":")
             if int(attempt) == ATTEMPT and int(at) == step and rank in ("all", str(self.global_rank)):
