@@ -744,3 +744,10 @@ def note_sigterm(trainer: pl.Trainer) -> None:
     """Set what ``Trainer.received_sigterm`` reads (``_SignalConnector.received_sigterm``, Lightning 2.6.6), as
     Lightning's own SIGTERM handler does: the loops then stop every rank at the end of the batch."""
     trainer._signal_connector.received_sigterm = True
+
+
+def handler_before_lightning(trainer: pl.Trainer, signum: int) -> Callable[[int, Any], Any] | None:
+    """The handler of ``signum`` before the fit (``_SignalConnector._original_handlers``, Lightning 2.6.6), when it
+    is a Python function, as Lightning calls it from its own handler; None for the defaults."""
+    handler = trainer._signal_connector._original_handlers.get(signum)
+    return handler if callable(handler) else None

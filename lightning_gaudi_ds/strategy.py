@@ -546,7 +546,8 @@ class HPUDeepSpeedStrategy(DeepSpeedStrategy):
         # Published only now: a file in the logger's directory before training starts would make CSVLogger warn
         # that the directory "exists and is not empty".
         trainer = attached_trainer(self.lightning_module)
-        self._preemption.install(self)  # after Lightning's own SIGTERM handler, which it registers before this
+        if trainer is not None:  # after Lightning's own SIGTERM handler, which it registers before this
+            self._preemption.install(self, trainer)
         pending = self._resolver.take_unpublished() if trainer is not None else None
         if trainer is not None and pending is not None:
             log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank calls it

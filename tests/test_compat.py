@@ -655,9 +655,10 @@ def test_autotp_names_a_policy_layer_by_its_parent_and_its_own_name() -> None:
     assert autotp_policy_names(block, ("fc2", "attn.proj", "out")) == ("fc2", "attn.proj", "out", ".fc2", "inner.out")
 
 
-def test_trainer_entry_points_set_the_strategy_module_before_resolving_ckpt_path() -> None:
+def test_trainer_hooks_used_by_resume() -> None:
     """checkpoint.resume hooks the Trainer when fit / validate / test / predict assign ``strategy._lightning_module``,
-    which must come before ``_select_ckpt_path`` (in the ``_*_impl`` they call) resolves "last"."""
+    which must come before ``_select_ckpt_path`` (in the ``_*_impl`` they call) resolves "last"; its SIGTERM watch
+    sets the signal connector's flag and calls the handler Lightning found before the fit."""
     import inspect
 
     from lightning.pytorch import Trainer
@@ -672,3 +673,8 @@ def test_trainer_entry_points_set_the_strategy_module_before_resolving_ckpt_path
     parse = inspect.signature(_CheckpointConnector._parse_ckpt_path)
     assert list(parse.parameters) == ["self", "state_fn", "ckpt_path", "model_provided", "model_connected"], used_by
     assert callable(getattr(ModelCheckpoint, "_find_last_checkpoints", None)), used_by
+    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+    connector = _SignalConnector(object())  # type: ignore[arg-type]
+    assert connector.received_sigterm is False and connector._original_handlers == {}, "resume.PreemptionWatch"
+    assert "received_sigterm" in inspect.getsource(Trainer.received_sigterm.fget), "resume.PreemptionWatch"

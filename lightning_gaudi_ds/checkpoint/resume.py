@@ -125,15 +125,18 @@ class PreemptionWatch:
     def __init__(self) -> None:
         self.seen = False
 
-    def install(self, strategy: Any) -> None:
+    def install(self, strategy: Any, trainer: Any) -> None:
         import signal
         import threading
 
         from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 
+        from lightning_gaudi_ds import _compat
+
         if threading.current_thread() is not threading.main_thread():
             return
         self.seen = False
+        users = _compat.handler_before_lightning(trainer, signal.SIGTERM)  # Lightning calls it too
 
         def note(signum: int, frame: Any) -> None:
             if not self.seen:
@@ -145,6 +148,8 @@ class PreemptionWatch:
                 if launcher is not None:  # Lightning's own launcher: its other ranks get it too, as Lightning does
                     launcher.kill(signum)
             self.seen = True
+            if users is not None:
+                users(signum, frame)
 
         signal.signal(signal.SIGTERM, note)
 
