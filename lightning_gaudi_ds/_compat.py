@@ -701,3 +701,58 @@ def zero_init_paused() -> Iterator[None]:
     finally:
         if active:
             partition_parameters.restore_init_context()
+
+
+# ------------------------------------------------------------------------------ ckpt_path="last" (resume)
+def calling_trainer() -> pl.Trainer | None:
+    """The Trainer whose ``fit / validate / test / predict`` assigns ``strategy._lightning_module`` (Lightning 2.6.6
+    does so first thing, before it resolves ``ckpt_path``): the ``self`` of the caller's caller's frame."""
+    import sys
+
+    from lightning.pytorch import Trainer
+
+    frame = sys._getframe(2)
+    candidate = frame.f_locals.get("self") if frame is not None else None
+    return candidate if isinstance(candidate, Trainer) else None
+
+
+ParseCkptPath = Callable[[Any, Any, bool, bool], Any]
+
+
+def hook_ckpt_path(trainer: pl.Trainer, resolve: Callable[[ParseCkptPath, Any, Any, bool, bool], Any]) -> None:
+    """Have this Trainer's ``_CheckpointConnector._parse_ckpt_path(state_fn, ckpt_path, model_provided,
+    model_connected)`` (where Lightning turns ``"last"``, ``"best"``, ``"hpc"`` into a path) call
+    ``resolve(lightning_parse, state_fn, ckpt_path, model_provided, model_connected)`` instead. Only this Trainer
+    instance changes; hooking it twice does nothing."""
+    connector = trainer._checkpoint_connector
+    if getattr(connector, "_lgds_resolve", None) is not None:
+        return
+    original = connector._parse_ckpt_path
+    connector._lgds_resolve = resolve  # type: ignore[attr-defined]
+    connector._parse_ckpt_path = functools.partial(resolve, original)  # type: ignore[method-assign]
+
+
+def last_checkpoint_candidates(trainer: pl.Trainer) -> set[str]:
+    """What Lightning 2.6.6's ``_parse_ckpt_path`` weighs for ``ckpt_path="last"``: every ``OnExceptionCheckpoint``'s
+    path and each ``ModelCheckpoint``'s ``last*.ckpt`` in its directory (``_find_last_checkpoints``)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+
+    callbacks: list[Any] = getattr(trainer, "callbacks", [])
+    candidates = {getattr(cb, "ckpt_path", None) for cb in callbacks if isinstance(cb, OnExceptionCheckpoint)}
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            candidates |= callback._find_last_checkpoints(trainer)
+    return {str(c) for c in candidates if c}
+
+
+def note_sigterm(trainer: pl.Trainer) -> None:
+    """Set what ``Trainer.received_sigterm`` reads (``_SignalConnector.received_sigterm``, Lightning 2.6.6), as
+    Lightning's own SIGTERM handler does: the loops then stop every rank at the end of the batch."""
+    trainer._signal_connector.received_sigterm = True
+
+
+def handler_before_lightning(trainer: pl.Trainer, signum: int) -> Callable[[int, Any], Any] | None:
+    """The handler of ``signum`` before the fit (``_SignalConnector._original_handlers``, Lightning 2.6.6), when it
+    is a Python function, as Lightning calls it from its own handler; None for the defaults."""
+    handler = trainer._signal_connector._original_handlers.get(signum)
+    return handler if callable(handler) else None

@@ -48,8 +48,11 @@ from lightning_gaudi_ds._compat import (
     _init_optimizers_and_lr_schedulers,
     _StrategyRegistry,
     attached_trainer,
+    calling_trainer,
+    hook_ckpt_path,
     weights_only_dropped_by_lightning,
 )
+from lightning_gaudi_ds.checkpoint import resume
 from lightning_gaudi_ds.config import (
     ConfigError,
     StrategyConfig,
@@ -189,6 +192,7 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
             zero_args = {**self._resolver.explicit_args, **({"stage": AUTO} if self._resolver.auto is not None else {})}
             inference.check_zero_options(self._inference, zero_args, self.config)
         self._inference_dtype: torch.dtype | None = None
+        self._preemption = resume.PreemptionWatch()
 
     # ----------------------------------------------------------------------------------------- set-up
     @property
@@ -397,6 +401,27 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         if self.zero_stage_3 and module is not None and any(_is_partition(p) for p in module.parameters()):
             rank_zero_warn(train.PARTITIONED_AFTER_FIT)
 
+    @override
+    def teardown(self) -> None:
+        try:
+            resume.save_on_preemption(self, attached_trainer(self.lightning_module))
+        finally:
+            super().teardown()
+
+    # ----------------------------------- resuming: ckpt_path="last", restarts (lightning_gaudi_ds.checkpoint.resume)
+    @property
+    def _lightning_module(self) -> pl.LightningModule | None:
+        return self.__dict__.get("_lgds_module")
+
+    @_lightning_module.setter
+    def _lightning_module(self, module: pl.LightningModule | None) -> None:
+        # Trainer.fit / validate / test / predict set this first, before they resolve ckpt_path: the moment to
+        # have that Trainer resolve "last" (and a restart's default) with the crash-safe checkpoints.
+        self.__dict__["_lgds_module"] = module
+        trainer = calling_trainer()
+        if trainer is not None and trainer.strategy is self:
+            hook_ckpt_path(trainer, functools.partial(resume.resolve_ckpt_path, trainer))
+
     # ------------------------------------------------------ DeepSpeed JSON config: load, "auto", contradictions
     # Lightning's __init__ calls _load_config; setup (and ZeRO-3's model_sharded_context) call _init_config_if_needed.
     # self._resolver (config.StrategyConfig) owns the config's state and resolution; these hooks delegate to it.
@@ -425,10 +450,19 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         # Published only now: a file in the logger's directory before training starts would make CSVLogger warn
         # that the directory "exists and is not empty".
         trainer = attached_trainer(self.lightning_module)
+        if trainer is not None:  # after Lightning's own SIGTERM handler, which it registers before this
+            self._preemption.install(self, trainer)
         pending = self._resolver.take_unpublished() if trainer is not None else None
         if trainer is not None and pending is not None:
             log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank calls it
             publish_resolved(*pending, log_dir, rank_zero=self.is_global_zero)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        trainer = attached_trainer(self.lightning_module)
+        if trainer is not None:
+            self._preemption.at_batch_start(self, trainer)
 
     # ------------------------------------------------ external launchers (torchrun, deepspeed, mpirun)
     @override

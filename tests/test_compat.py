@@ -653,3 +653,28 @@ def test_autotp_names_a_policy_layer_by_its_parent_and_its_own_name() -> None:
     block.attn.inner = torch.nn.Module()
     block.attn.inner.out = torch.nn.Linear(2, 2)
     assert autotp_policy_names(block, ("fc2", "attn.proj", "out")) == ("fc2", "attn.proj", "out", ".fc2", "inner.out")
+
+
+def test_trainer_hooks_used_by_resume() -> None:
+    """checkpoint.resume hooks the Trainer when fit / validate / test / predict assign ``strategy._lightning_module``,
+    which must come before ``_select_ckpt_path`` (in the ``_*_impl`` they call) resolves "last"; its SIGTERM watch
+    sets the signal connector's flag and calls the handler Lightning found before the fit."""
+    import inspect
+
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    used_by = "checkpoint.resume (ckpt_path='last', restarts)"
+    for name in ("fit", "validate", "test", "predict"):
+        source = inspect.getsource(getattr(Trainer, name))
+        assert "self.strategy._lightning_module = model" in source, f"{LIGHTNING}: Trainer.{name}, {used_by}"
+        assert "_select_ckpt_path" in inspect.getsource(getattr(Trainer, f"_{name}_impl")), used_by
+    parse = inspect.signature(_CheckpointConnector._parse_ckpt_path)
+    assert list(parse.parameters) == ["self", "state_fn", "ckpt_path", "model_provided", "model_connected"], used_by
+    assert callable(getattr(ModelCheckpoint, "_find_last_checkpoints", None)), used_by
+    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+    connector = _SignalConnector(object())  # type: ignore[arg-type]
+    assert connector.received_sigterm is False and connector._original_handlers == {}, "resume.PreemptionWatch"
+    assert "received_sigterm" in inspect.getsource(Trainer.received_sigterm.fget), "resume.PreemptionWatch"

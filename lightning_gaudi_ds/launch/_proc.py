@@ -22,6 +22,12 @@ ARGS_FILE_FLAG = "--lgds-args-file"
 # Launches across hosts: the supervisor's heartbeat in the run directory, and how long a rank waits for it to change.
 HEARTBEAT_NAME = "supervisor.alive"
 LINK_TIMEOUT_ENV = "LIGHTNING_GAUDI_DS_LINK_TIMEOUT"
+# Set by the runner for every rank: which start of the job this is (0: the first; N: the N-th restart). The strategy
+# resumes from ``ckpt_path="last"`` when it is above 0 and the script passes no ckpt_path.
+RESTART_ENV = "LIGHTNING_GAUDI_DS_RESTART"
+# A rank's exit code after SIGTERM (preemption) once it saved a checkpoint at a step boundary: sysexits.h's
+# EX_TEMPFAIL ("a temporary failure; try again"), apart from failures and from 143 (killed by SIGTERM unsaved).
+PREEMPTED_EXIT = 75
 
 # How MPI launchers announce a process's global rank and the world size: Open MPI (OMPI_COMM_WORLD_*), MPICH and
 # Intel MPI (PMI_*), MVAPICH2 (MV2_*). A PMIx server (Open MPI 4+, Slurm's --mpi=pmix) exports PMIX_RANK but no
@@ -47,6 +53,8 @@ def describe_exit(returncode: int) -> str:
         return f"signal {signal.Signals(-returncode).name}"
     if returncode > 128 and returncode - 128 in signal.valid_signals():
         return f"exit code {returncode} (signal {signal.Signals(returncode - 128).name})"
+    if returncode == PREEMPTED_EXIT:
+        return f"exit code {returncode} (preempted: SIGTERM, checkpoint saved)"
     return f"exit code {returncode}"
 
 

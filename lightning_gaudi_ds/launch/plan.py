@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_gaudi_ds import hpu
-from lightning_gaudi_ds.launch._proc import ARGS_FILE_FLAG, LINK_TIMEOUT_ENV, RUN_DIR_ENV, STOP_TIMEOUT_ENV
+from lightning_gaudi_ds.launch._proc import (
+    ARGS_FILE_FLAG,
+    LINK_TIMEOUT_ENV,
+    RESTART_ENV,
+    RUN_DIR_ENV,
+    STOP_TIMEOUT_ENV,
+)
 from lightning_gaudi_ds.launch.hostfile import Host, parse_hostfile
 from lightning_gaudi_ds.launch.rendezvous import DEFAULT_TIMEOUT as DEFAULT_RENDEZVOUS_TIMEOUT
 from lightning_gaudi_ds.launch.rendezvous import TIMEOUT_ENV as RENDEZVOUS_TIMEOUT_ENV
@@ -61,7 +67,7 @@ RUN_ID_ENV = "LIGHTNING_GAUDI_DS_RUN_ID"  # the job's token: how the supervisor 
 SHIM = str(Path(__file__).resolve().with_name("rank.py"))
 LAUNCHERS = ("python", "torchrun", "deepspeed", "mpirun")
 # Exported by mpirun to every node: Open MPI passes only the variables named with -x to remote ranks.
-_MPI_EXPORTS = ("MASTER_ADDR", "MASTER_PORT", RUN_DIR_ENV, RUN_ID_ENV, STOP_TIMEOUT_ENV, "PYTHONPATH",
+_MPI_EXPORTS = ("MASTER_ADDR", "MASTER_PORT", RUN_DIR_ENV, RUN_ID_ENV, STOP_TIMEOUT_ENV, RESTART_ENV, "PYTHONPATH",
                 "PYTHONUNBUFFERED", "PATH")
 # DeepSpeed's ssh/pdsh launch passes to other nodes only a few prefixes and the lines of its env file, whose name
 # DS_ENV_FILE sets; a Gaudi job writes its own (with the user's lines first) in the run directory.
@@ -301,11 +307,12 @@ def launch_argv(spec: LaunchSpec, user: Sequence[str], port: int, machine: Machi
 
 
 def launch_env(spec: LaunchSpec, base: Mapping[str, str], run_dir: Path, token: str, port: int,
-               machine: Machine) -> dict[str, str]:
-    """``base`` (the runner's environment) plus what the launcher and the rank shims need."""
+               machine: Machine, restart: int = 0) -> dict[str, str]:
+    """``base`` (the runner's environment) plus what the launcher and the rank shims need; ``restart``: which
+    restart of the job this start is (0: the first start)."""
     env = dict(base)
     env.update({RUN_DIR_ENV: str(run_dir), RUN_ID_ENV: token, "MASTER_ADDR": spec.master_addr,
-                "MASTER_PORT": str(port), STOP_TIMEOUT_ENV: str(spec.stop_timeout)})
+                "MASTER_PORT": str(port), STOP_TIMEOUT_ENV: str(spec.stop_timeout), RESTART_ENV: str(restart)})
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("PYTHONPATH", "")
     if spec.rendezvous_timeout is not None:
@@ -340,7 +347,7 @@ def _gaudi(spec: LaunchSpec, machine: Machine) -> bool:
 
 
 # What every rank of a pdsh launch must see besides the PYTHON* variables DeepSpeed forwards by itself.
-_DEEPSPEED_EXPORTS = (RUN_DIR_ENV, RUN_ID_ENV, STOP_TIMEOUT_ENV, RENDEZVOUS_TIMEOUT_ENV, LINK_TIMEOUT_ENV,
+_DEEPSPEED_EXPORTS = (RUN_DIR_ENV, RUN_ID_ENV, STOP_TIMEOUT_ENV, RESTART_ENV, RENDEZVOUS_TIMEOUT_ENV, LINK_TIMEOUT_ENV,
                       "OMPI_MCA_ess_singleton_isolated", "PATH")
 # DeepSpeed writes each line as `export KEY="value";` into the remote shell's command (0.16 always quotes, 0.19 when
 # the value has other characters than these): inside double quotes these characters would still be interpreted.

@@ -167,10 +167,15 @@ def main(argv: list[str] | None = None) -> int:
         grace = float(os.environ.get(STOP_TIMEOUT_ENV) or 10.0)
         escalation: list[threading.Timer] = []
 
+        forwarded: set[int] = set()
+
         def forward(signum: int, frame: Any) -> None:
-            # Pass the signal on; a script that ignores it (Lightning only takes note of SIGTERM) gets SIGKILL
-            # after the grace period, so the rank ends even when nobody is left to escalate (runner killed).
-            if child.poll() is None:
+            # Pass the signal on, once: the supervisor and the launcher may both send it, and a second SIGTERM
+            # would run Lightning's handler (which broadcasts to every rank) once more on this rank only. A script
+            # that ignores it (Lightning only takes note of SIGTERM) gets SIGKILL after the grace period, so the
+            # rank ends even when nobody is left to escalate (runner killed).
+            if child.poll() is None and signum not in forwarded:
+                forwarded.add(signum)
                 child.send_signal(signum)
                 if not escalation:
                     escalation.append(threading.Timer(grace, child.kill))

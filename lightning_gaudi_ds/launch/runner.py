@@ -57,6 +57,10 @@ class DistributedRunner:
         link_timeout: launches over ssh (pdsh, mpirun): a host that does not answer ssh keepalives for this
             long (a lost node or a partitioned link) ends the job; default 60 s.
         tail_lines: lines of a failed rank's output to print.
+        max_restarts: start the job again up to this many times after a rank fails or is preempted (not after
+            ``timeout`` or a signal to this runner). Every rank of a restart sees ``LIGHTNING_GAUDI_DS_RESTART=<n>``
+            and :class:`~lightning_gaudi_ds.HPUDeepSpeedStrategy` then resumes a ``trainer.fit`` without
+            ``ckpt_path`` from ``ckpt_path="last"``.
         hpu_mode: on Gaudi, the execution mode every rank imports ``habana_frameworks`` in: ``"eager"``
             (torch.compile, Habana's default) or ``"lazy"``; default ``PT_HPU_LAZY_MODE`` (unset: eager). Exported
             to every rank (``-x`` for mpirun, DeepSpeed's env file for its multi-node launch).
@@ -78,6 +82,7 @@ class DistributedRunner:
         tail_lines: int = 20,
         hpu_mode: str | None = None,
         link_timeout: float = 60.0,
+        max_restarts: int = 0,
     ) -> None:
         self.command_list = [command_list] if isinstance(command_list, str) else list(command_list)
         if not self.command_list:
@@ -87,6 +92,10 @@ class DistributedRunner:
                              " > 0, or None to wait for the job however long it runs.")
         if isinstance(tail_lines, bool) or not isinstance(tail_lines, int) or tail_lines < 0:
             raise ValueError(f"tail_lines={tail_lines!r}: pass a whole number >= 0.")
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"max_restarts={max_restarts!r}: pass how many times a failed job is started again, a"
+                             " whole number >= 0 (0: never).")
+        self.max_restarts = max_restarts
         self.commands = [plan.split_command(c) for c in self.command_list]
         rdzv = rendezvous_timeout(os.environ) if os.environ.get(TIMEOUT_ENV) else None  # checked now, not on a rank
         self.spec = plan.resolve(world_size, hostfile, use_mpi, use_deepspeed, master_port, master_addr, node_rank,
@@ -139,8 +148,8 @@ class DistributedRunner:
         user = plan.split_command(command) if isinstance(command, str) else list(command)
         return plan.launch_argv(self.spec, user, master_port or self.master_port, plan.Machine.this(), args_file)
 
-    def _environment(self, run_dir: Path, token: str, port: int) -> dict[str, str]:
-        env = plan.launch_env(self.spec, os.environ, run_dir, token, port, plan.Machine.this())
+    def _environment(self, run_dir: Path, token: str, port: int, restart: int = 0) -> dict[str, str]:
+        env = plan.launch_env(self.spec, os.environ, run_dir, token, port, plan.Machine.this(), restart)
         if env.get(plan.DEEPSPEED_ENV_FILE) == str(run_dir / plan.DEEPSPEED_ENV_NAME):
             # Our file replaces the name DeepSpeed reads in ~ and in the working directory: keep the user's lines.
             name = os.environ.get(plan.DEEPSPEED_ENV_FILE, ".deepspeed_env")
@@ -190,12 +199,40 @@ class DistributedRunner:
             for argv in self.commands:
                 plan.check_script(argv)
         for index, argv in enumerate(self.commands):
-            code = self._run_one(argv, index)
+            code = self._run_restarting(argv, index)
             if code != 0:
                 return code
         return 0
 
-    def _run_one(self, user: list[str], index: int) -> int:
+    def _run_restarting(self, user: list[str], index: int) -> int:
+        """Run one command, starting it again up to ``max_restarts`` times after a failure; log each attempt."""
+        failures: list[str] = []
+        ended = 0.0
+        for attempt in range(self.max_restarts + 1):
+            if attempt:
+                say(f"restart {attempt} of {self.max_restarts}: starting the job again"
+                    f" {time.monotonic() - ended:.1f} s after the failure; the ranks resume from the newest complete"
+                    " checkpoint (ckpt_path='last'), which rank 0 names.")
+            code, supervisor = self._run_one(user, index, attempt)
+            if code == 0:
+                if failures:
+                    say(f"the job completed after {attempt} restart(s).")
+                return 0
+            if not self.max_restarts:
+                return code
+            ended = supervisor.ended_at
+            failure = supervisor.failure
+            who = "the job" if failure is None or failure.rank is None else f"rank {failure.rank}"
+            why = failure.how if failure is not None else f"exit code {code}"
+            failures.append(f"attempt {attempt + 1}: {who} failed: {why}")
+            if supervisor.signalled or code == 124:
+                return code
+        say(f"max_restarts={self.max_restarts} exhausted; the job failed {len(failures)} times:")
+        for line in failures:
+            say(f"  {line}")
+        return code
+
+    def _run_one(self, user: list[str], index: int, attempt: int = 0) -> tuple[int, Supervisor]:
         token = uuid.uuid4().hex
         if self.log_dir is not None:  # a fresh directory per run: records of an earlier run must not be read
             run_dir = self.log_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{token[:6]}-cmd{index}"
@@ -220,11 +257,11 @@ class DistributedRunner:
                 _write_private(args_file, json.dumps(user))
             argv = self.build_command(user, port, args_file)
             private.append(run_dir / plan.DEEPSPEED_ENV_NAME)
-            env = self._environment(run_dir, token, port)
+            env = self._environment(run_dir, token, port, attempt)
             say(f"{self.launcher}, world size {self.world_size}: {shlex.join(argv)}")
             supervisor = Supervisor(self.stop_timeout, self.timeout, self.tail_lines, self.spec.hosts,
                                     self._no_rank_hint(port))
-            return supervisor.run(argv, env, run_dir, token, keep)
+            return supervisor.run(argv, env, run_dir, token, keep), supervisor
         finally:
             for path in private:
                 path.unlink(missing_ok=True)
@@ -259,6 +296,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link_timeout", type=float, default=60.0,
                         help="pdsh/mpirun over ssh: a host silent this long (lost node or link) ends the job"
                              " (default 60)")
+    parser.add_argument("--max_restarts", type=int, default=0,
+                        help="start the job again up to N times after a rank fails or is preempted; the ranks"
+                             " resume from the newest complete checkpoint (default 0)")
     parser.add_argument("--hpu_mode", choices=("eager", "lazy"), default=None,
                         help="Gaudi execution mode for every rank (default: PT_HPU_LAZY_MODE, unset = eager)")
     parser.add_argument("-m", "--module", action="store_true", help="the script is a module name (python -m)")
@@ -274,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
             [shlex.join(argv)], world_size=args.world_size, hostfile=args.hostfile, use_mpi=args.use_mpi,
             use_deepspeed=args.use_deepspeed, master_port=args.master_port, master_addr=args.master_addr,
             node_rank=args.node_rank, log_dir=args.log_dir, stop_timeout=args.stop_timeout, hpu_mode=args.hpu_mode,
-            timeout=args.timeout, link_timeout=args.link_timeout,
+            timeout=args.timeout, link_timeout=args.link_timeout, max_restarts=args.max_restarts,
         )
         return runner.run()
     except (ValueError, RuntimeError) as err:

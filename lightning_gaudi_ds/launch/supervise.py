@@ -32,13 +32,14 @@ import psutil
 
 from lightning_gaudi_ds.launch._proc import (
     HEARTBEAT_NAME,
+    PREEMPTED_EXIT,
     describe_exit,
     exit_code,
     say,
     signal_when_parent_dies,
 )
 from lightning_gaudi_ds.launch.hostfile import Host
-from lightning_gaudi_ds.launch.plan import RUN_ID_ENV
+from lightning_gaudi_ds.launch.plan import RUN_ID_ENV, SHIM
 
 
 @dataclass
@@ -79,6 +80,9 @@ class Supervisor:
         self.timeout = timeout
         self.tail_lines = tail_lines
         self._stop_signal: int | None = None
+        self.failure: Failure | None = None  # after run(): what ended the job, if it did not succeed
+        self.signalled = False  # after run(): the supervisor itself was asked to stop (SIGINT/SIGTERM/SIGHUP)
+        self.ended_at = 0.0  # after run(): time.monotonic() when the end (or the failure) was seen
 
     def run(self, argv: Sequence[str], env: dict[str, str], run_dir: Path, token: str, keep_logs: bool) -> int:
         """Start ``argv`` (the launcher) and supervise it until every process of the job has ended.
@@ -102,15 +106,20 @@ class Supervisor:
             try:
                 failure, code = self._watch(launcher, run_dir, start, relay)
             finally:
+                self.ended_at = time.monotonic()
                 stopped = self._stop(launcher, token, clean_exit=failure is None and code == 0)
                 heartbeat.stop()  # ranks on other hosts stop by themselves once it is gone
                 relay.join()
         elapsed = time.monotonic() - start
+        self.failure, self.signalled = failure, self._stop_signal is not None
         if failure is not None:
             self._report(failure, stopped, elapsed)
             code = failure.returncode
         elif code != 0:
             self._say_stopped(stopped)
+            if self._stop_signal is not None and _all_preempted(run_dir):
+                say(f"every rank saved a checkpoint and exited with {PREEMPTED_EXIT} (preempted).")
+                code = PREEMPTED_EXIT
         elif stopped.pids:
             say(f"{len(stopped.pids)} process(es) of the job outlived the launcher and were stopped: {stopped.pids}")
         if code == 0 and not keep_logs:
@@ -180,7 +189,7 @@ class Supervisor:
         start = time.monotonic()
         procs = _job_processes(launcher, token)
         for p in procs:
-            if p.pid != launcher.pid:
+            if p.pid != launcher.pid and not _under_shim(p):  # a rank shim passes the signal on to its script
                 _signal(p, signal.SIGTERM)
         _, alive = psutil.wait_procs(procs, timeout=min(2.0, self.stop_timeout))
         for p in alive:
@@ -289,6 +298,21 @@ class _RankTable:
         if not failures:
             return None
         return min(failures, key=lambda item: item[0])[1]
+
+
+def _all_preempted(run_dir: Path) -> bool:
+    """Whether every rank recorded the preemption exit code (it saved a checkpoint after SIGTERM)."""
+    records = _RankTable(run_dir).records().values()
+    return bool(records) and all(record.get("returncode") == PREEMPTED_EXIT for record in records)
+
+
+def _under_shim(proc: psutil.Process) -> bool:
+    """Whether ``proc`` is the script of a live rank shim, which forwards signals to it (once each)."""
+    try:
+        parent = proc.parent()
+        return parent is not None and SHIM in parent.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
 
 
 def _alive(proc: psutil.Process | None) -> bool:

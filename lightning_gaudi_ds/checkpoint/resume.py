@@ -1,0 +1,165 @@
+"""Resuming: ``ckpt_path="last"`` with crash-safe sharded checkpoints, and the default under a restart.
+
+Lightning's ``"last"`` is the newest ``last*.ckpt`` of the ``ModelCheckpoint`` callbacks (and the
+``OnExceptionCheckpoint`` path). Here it is the newest of those that :func:`validate_checkpoint` accepts: a save in
+progress or cut short (``*.partial``, no manifest, a shard missing or truncated) is skipped with a warning, never
+loaded. With none at all, Lightning's own message is given ("no last checkpoint available", not an error).
+
+Under ``lightning-gaudi-ds spawn --max_restarts N`` every rank of a restart sees ``LIGHTNING_GAUDI_DS_RESTART`` > 0:
+a ``trainer.fit`` without ``ckpt_path`` then resumes from ``"last"``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning_gaudi_ds.checkpoint.io import MANIFEST, CheckpointError, validate_checkpoint
+from lightning_gaudi_ds.launch._proc import RESTART_ENV
+
+
+def restart_count(env: Mapping[str, str] = os.environ) -> int:
+    """Which restart of the job this process belongs to (0: the first start, or not started by the runner)."""
+    value = env.get(RESTART_ENV, "0")
+    return int(value) if value.isdigit() else 0
+
+
+def _saved_at(path: Path) -> float:
+    manifest = path / MANIFEST
+    return (manifest if manifest.is_file() else path).stat().st_mtime
+
+
+def newest_complete(candidates: Iterable[str]) -> tuple[str | None, list[str]]:
+    """The newest complete checkpoint of ``candidates`` (a file, as Lightning takes it, or a sharded checkpoint
+    directory that :func:`validate_checkpoint` accepts), ordered by when it was committed; and why each newer or
+    other candidate was skipped."""
+    complete: list[tuple[float, str]] = []
+    skipped: list[str] = []
+    for candidate in sorted(set(candidates)):
+        path = Path(candidate)
+        if not path.exists():
+            continue
+        if path.is_dir():
+            try:
+                validate_checkpoint(path)
+            except (CheckpointError, OSError) as err:
+                skipped.append(f"{path}: {err}")
+                continue
+        complete.append((_saved_at(path), candidate))
+    return (max(complete)[1] if complete else None), skipped
+
+
+def resolve_ckpt_path(trainer: Any, lightning_parse: Any, state_fn: Any, ckpt_path: Any, model_provided: bool,
+                      model_connected: bool) -> Any:
+    """``_CheckpointConnector._parse_ckpt_path`` for the strategy's Trainer (see the module's docstring)."""
+    from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+    from lightning_gaudi_ds import _compat
+
+    restart = restart_count()
+    if ckpt_path is None and restart and state_fn == TrainerFn.FITTING:
+        rank_zero_info(f"Restart {restart} of the job ({RESTART_ENV}={restart}): resuming from ckpt_path='last'.")
+        ckpt_path = "last"
+    if ckpt_path != "last":
+        return lightning_parse(state_fn, ckpt_path, model_provided, model_connected)
+    chosen, skipped = newest_complete(_compat.last_checkpoint_candidates(trainer))
+    for reason in skipped:
+        rank_zero_warn(f'ckpt_path="last": skipping an incomplete checkpoint, {reason}')
+    if chosen is None:
+        if skipped:
+            rank_zero_warn('ckpt_path="last": no complete checkpoint to resume from. No checkpoint will be loaded.')
+            return None
+        return lightning_parse(state_fn, "last", model_provided, model_connected)  # Lightning's own message
+    rank_zero_info(f'ckpt_path="last": resuming from {chosen}')
+    return chosen
+
+
+def save_on_preemption(strategy: Any, trainer: Any) -> str | None:
+    """After SIGTERM: save ``last.ckpt`` of the first ``ModelCheckpoint`` and make the exit code ``PREEMPTED_EXIT``.
+
+    Lightning notes SIGTERM (``trainer.received_sigterm``, rank 0's flag broadcast to every rank at the next batch)
+    and stops every rank at that step boundary with ``SIGTERMException``, which would exit with 0. Called from the
+    strategy's ``teardown`` while that exception is being handled, on every rank: the save is the usual crash-safe
+    one, so a SIGKILL during it (the grace period ran out) leaves the previous checkpoint as it was. Returns the path
+    saved, or None when there was nothing to do.
+    """
+    import sys
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+    from lightning_gaudi_ds.launch._proc import PREEMPTED_EXIT
+
+    exc = sys.exc_info()[1]
+    if (not isinstance(exc, SIGTERMException) or trainer is None or trainer.state.fn != TrainerFn.FITTING
+            or getattr(strategy, "deepspeed_engine", None) is None):
+        return None
+    callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+    if not callbacks:
+        rank_zero_warn("SIGTERM: no ModelCheckpoint to save the preemption checkpoint with; stopping without one.")
+        return None
+    callback = callbacks[0]
+    path = callback.format_checkpoint_name({}, callback.CHECKPOINT_NAME_LAST)
+    trainer.save_checkpoint(path)
+    rank_zero_info(f"SIGTERM: saved {path} at step {trainer.global_step}; exiting with {PREEMPTED_EXIT} (preempted).")
+    exc.code = PREEMPTED_EXIT
+    return path
+
+
+class PreemptionWatch:
+    """SIGTERM noted without collectives, and agreed on by every rank at the start of each training batch.
+
+    Lightning's own SIGTERM handler broadcasts from inside the signal handler, on each rank that gets the signal: when
+    the ranks get it at different moments (a scheduler signals every process, the launcher passes it on) those
+    broadcasts pair with other collectives and the ranks hang until SIGKILL. This handler, installed for the fit
+    (Lightning puts the original handlers back in its teardown), only takes note; ``at_batch_start`` (one
+    one-element all-reduce per batch) sets Lightning's ``received_sigterm`` on every rank in the same batch once any
+    rank got it, so Lightning stops all of them after that step and the strategy saves.
+    """
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def install(self, strategy: Any, trainer: Any) -> None:
+        import signal
+        import threading
+
+        from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
+
+        from lightning_gaudi_ds import _compat
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self.seen = False
+        users = _compat.handler_before_lightning(trainer, signal.SIGTERM)  # Lightning calls it too
+
+        def note(signum: int, frame: Any) -> None:
+            if not self.seen:
+                import logging
+
+                logging.getLogger(__name__).info(rank_prefixed_message(
+                    f"Received SIGTERM: {signum}; saving a checkpoint after this step", strategy.local_rank))
+                launcher = strategy.launcher
+                if launcher is not None:  # Lightning's own launcher: its other ranks get it too, as Lightning does
+                    launcher.kill(signum)
+            self.seen = True
+            if users is not None:
+                users(signum, frame)
+
+        signal.signal(signal.SIGTERM, note)
+
+    def at_batch_start(self, strategy: Any, trainer: Any) -> None:
+        import torch
+
+        from lightning_gaudi_ds import _compat
+
+        flag = torch.tensor([1.0 if self.seen else 0.0], device=strategy.root_device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and strategy.world_size > 1:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if flag.item() > 0:
+            _compat.note_sigterm(trainer)

@@ -1,0 +1,193 @@
+"""Fault tolerance: ``spawn --max_restarts``, resuming from ``ckpt_path="last"``, and SIGTERM (preemption).
+
+The unit tests check the arguments, the variable the ranks of a restart see, and which checkpoint "last" is among
+hand-made complete and incomplete ones. The process tests run tests/jobs/restart_job.py under
+``lightning-gaudi-ds spawn`` (torchrun, 2 ranks on gloo): once uninterrupted, and once with rank 1 SIGKILLed and
+later every rank SIGTERMed, which must end with the same fp32 weights and every step run once after the last save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_gaudi_ds import DistributedRunner
+from lightning_gaudi_ds.checkpoint import resume
+from lightning_gaudi_ds.cli import main
+from lightning_gaudi_ds.launch import plan
+from lightning_gaudi_ds.launch._proc import PREEMPTED_EXIT, RESTART_ENV
+from tests.procs import JOBS, run_job
+from tests.test_checkpoint import fake_checkpoint
+
+SPAWN = [sys.executable, "-m", "lightning_gaudi_ds", "spawn", "--world_size", "2", "--master_port", "0"]
+
+
+# ------------------------------------------------------------------------------------------------ arguments
+@pytest.mark.parametrize("value", [-1, 1.5, True, "2"])
+def test_max_restarts_must_be_a_whole_number(value: object) -> None:
+    with pytest.raises(ValueError, match=rf"max_restarts={value!r}: pass how many times .* whole number >= 0"):
+        DistributedRunner(["t.py"], max_restarts=value)  # type: ignore[arg-type]
+
+
+def test_cli_refuses_negative_max_restarts_before_starting(capsys: pytest.CaptureFixture) -> None:
+    assert main(["spawn", "--world_size", "2", "--max_restarts", "-1", "no_such_script.py"]) == 2
+    err = capsys.readouterr().err
+    assert "max_restarts=-1" in err and "no_such_script" not in err and "torchrun" not in err
+
+
+def test_every_rank_is_told_which_restart_it_is(tmp_path: Path) -> None:
+    machine = plan.Machine(python="/py", mpirun="/opt/mpirun", as_root=False, cpus=1)
+    assert plan.launch_env(plan.resolve(2), {}, tmp_path, "t", 1, machine)[RESTART_ENV] == "0"
+    assert plan.launch_env(plan.resolve(2), {}, tmp_path, "t", 1, machine, restart=3)[RESTART_ENV] == "3"
+    assert RESTART_ENV in plan._MPI_EXPORTS and RESTART_ENV in plan._DEEPSPEED_EXPORTS  # other hosts' ranks too
+    assert resume.restart_count({RESTART_ENV: "2"}) == 2
+    assert resume.restart_count({}) == 0 and resume.restart_count({RESTART_ENV: "x"}) == 0
+
+
+# --------------------------------------------------------------------------------------- ckpt_path="last"
+def _trainer(dirpath: Path):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+
+    class Trainer(L.Trainer):
+        def attach(self, model: object) -> None:  # what fit/validate/test/predict do first
+            self.strategy._lightning_module = model
+
+    return Trainer(accelerator="cpu", devices=1, strategy=HPUDeepSpeedStrategy(stage=2), logger=False,
+                   enable_progress_bar=False, callbacks=[ModelCheckpoint(dirpath=str(dirpath), save_last=True)])
+
+
+def test_last_is_the_newest_complete_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    monkeypatch.delenv(RESTART_ENV, raising=False)
+    complete = fake_checkpoint(tmp_path, name="last.ckpt")
+    time.sleep(0.05)
+    shard = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    newer_incomplete = fake_checkpoint(tmp_path, name="last-v1.ckpt", skip=(shard,))
+    fake_checkpoint(tmp_path, name="last-v2.ckpt.partial", latest=False)  # a save in progress
+    os.utime(newer_incomplete, (time.time() + 60, time.time() + 60))
+    trainer = _trainer(tmp_path)
+    connector = trainer._checkpoint_connector
+    # Lightning alone takes the newest last*.ckpt, a half-written one
+    assert connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, False) == str(newer_incomplete)
+    trainer.attach(object())
+    with pytest.warns(UserWarning, match=r"skipping an incomplete checkpoint, .*last-v1\.ckpt"):
+        assert connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, False) == str(complete)
+    assert connector._parse_ckpt_path(TrainerFn.FITTING, None, True, False) is None  # no restart: as Lightning
+    monkeypatch.setenv(RESTART_ENV, "1")  # a restart: fit without ckpt_path resumes
+    with pytest.warns(UserWarning, match="skipping"):
+        assert connector._parse_ckpt_path(TrainerFn.FITTING, None, True, False) == str(complete)
+    assert connector._parse_ckpt_path(TrainerFn.VALIDATING, None, True, False) is None  # only fit resumes
+    candidates = [str(p) for p in tmp_path.iterdir()]
+    assert resume.newest_complete(candidates)[0] == str(complete)
+
+
+def test_last_on_a_first_run_is_lightnings_message_not_an_error(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    monkeypatch.setenv(RESTART_ENV, "1")
+    trainer = _trainer(tmp_path / "none_yet")
+    trainer.attach(object())
+    with pytest.warns(UserWarning, match="there is no last checkpoint available. No checkpoint will be loaded"):
+        assert trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, None, True, False) is None
+    fake_checkpoint(tmp_path / "none_yet", name="last.ckpt", skip=("mp_rank_00_model_states.pt",))
+    with pytest.warns(UserWarning, match="no complete checkpoint to resume from"):
+        assert trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, False) is None
+
+
+# ------------------------------------------------------------------------------------------- process tests
+STEPS = 10
+
+
+def spawn_job(out: Path, spawn_args: tuple[str, ...] = (), job_args: tuple[str, ...] = (), timeout: float = 600):
+    return run_job([*SPAWN, *spawn_args, str(JOBS / "restart_job.py"), "--out", str(out), "--steps", str(STEPS),
+                    *job_args], timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory: pytest.TempPathFactory):
+    """Attempt 0: rank 1 SIGKILLs itself at step 5 (last save: step 4). Attempt 1: SIGTERM reaches the ranks at
+    different steps (rank 1 in step 5, rank 0 in step 6); they agree at the start of step 6, which ends, and save at
+    that boundary (step 7) and exit 75. Attempt 2 runs to the end."""
+    out = tmp_path_factory.mktemp("interrupted")
+    result = spawn_job(out, ("--max_restarts", "2"),
+                       ("--kill", "0:5:1:KILL", "--kill", "1:5:1:TERM", "--kill", "1:6:0:TERM"))
+    return out, result
+
+
+@pytest.mark.multiprocess
+def test_restarts_resume_exactly(interrupted, tmp_path: Path) -> None:
+    out, result = interrupted
+    result.check()
+    text = result.output
+    assert "rank 1 failed: exited with signal SIGKILL" in text
+    assert f"exited with exit code {PREEMPTED_EXIT} (preempted: SIGTERM, checkpoint saved)" in text
+    assert "restart 1 of 2" in text and "restart 2 of 2" in text and "the job completed after 2 restart(s)" in text
+    steps = {a: json.loads((out / f"attempt{a}-rank0.json").read_text()) for a in range(3)}
+    assert steps[0]["steps"] == [0, 1, 2, 3, 4, 5] and steps[0]["resumed_from"] is None
+    last = str(out / "ckpt" / "last.ckpt")
+    assert steps[1]["steps"] == [4, 5, 6] and steps[1]["resumed_from"] == last  # the save at step 4
+    # SIGTERM seen by all at step 6: step 6 ends, the checkpoint is taken at that boundary, no step twice or lost
+    assert f"SIGTERM: saved {last} at step 7; exiting with {PREEMPTED_EXIT}" in text
+    assert steps[2]["steps"] == [7, 8, 9] and steps[2]["resumed_from"] == last and steps[2]["global_step"] == STEPS
+    assert json.loads((out / "attempt2-rank1.json").read_text())["steps"] == [7, 8, 9]
+
+    reference = tmp_path / "reference"
+    spawn_job(reference).check()
+    expected, got = torch.load(reference / "weights.pt"), torch.load(out / "weights.pt")
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
+
+
+FAILING = """
+import os, sys, time
+if os.environ["RANK"] == "1":
+    sys.exit(3)
+time.sleep(60)
+"""
+
+
+@pytest.mark.multiprocess
+def test_exhausted_restarts_name_every_failure(tmp_path: Path) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text(FAILING)
+    result = run_job([*SPAWN, "--max_restarts", "1", str(script)], timeout=300)
+    assert result.returncode == 3, result.output[-3000:]
+    assert "max_restarts=1 exhausted; the job failed 2 times:" in result.output
+    assert "attempt 1: rank 1 failed: exited with exit code 3" in result.output
+    assert "attempt 2: rank 1 failed: exited with exit code 3" in result.output
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_the_runner_saves_and_exits_75(tmp_path: Path) -> None:
+    """What Kubernetes and SLURM do: SIGTERM to the job's processes, here the runner, which passes it on."""
+    from lightning_gaudi_ds.checkpoint import validate_checkpoint
+    from tests.procs import LiveJob
+
+    args = [*SPAWN, str(JOBS / "restart_job.py"), "--out", str(tmp_path), "--steps", "1000"]
+    job = LiveJob(args)
+    try:
+        job.wait_for("step 3 rank 1", timeout=400)
+        job.send_signal(signal.SIGTERM)
+        result = job.wait(timeout=120)
+    finally:
+        if job.proc.poll() is None:
+            job.kill()
+    assert result.returncode == PREEMPTED_EXIT, result.output[-3000:]
+    assert f"every rank saved a checkpoint and exited with {PREEMPTED_EXIT} (preempted)" in result.output
+    saved = int(result.output.split("SIGTERM: saved ")[1].split(" at step ")[1].split(";")[0])
+    last_step = json.loads((tmp_path / "attempt0-rank0.json").read_text())["steps"][-1]
+    assert saved == last_step + 1  # the step under way when SIGTERM came ended, then the save: none lost
+    assert validate_checkpoint(tmp_path / "ckpt" / "last.ckpt").has_manifest
