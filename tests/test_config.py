@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import warnings
 from pathlib import Path
@@ -599,6 +600,27 @@ class TestCpuAdam:
             assert new is old  # the same dicts: a scheduler built on the torch optimizer keeps working
         assert [(g["lr"], g["betas"], g["eps"], g["weight_decay"]) for g in cpu.param_groups] == [
             (0.01, (0.8, 0.9), 1e-6, 0.05), (0.5, (0.8, 0.9), 1e-6, 0.0)]
+
+    def test_op_loaded_from_this_environments_cache(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """DeepSpeedCPUAdam loads cpu_adam where the set-up built it (the environment's own op cache), not from
+        torch's shared default, where another environment's DeepSpeed would make it rebuild (80 s on 2 cores)."""
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        from lightning_gaudi_ds.engine.train import to_cpu_adam
+        from lightning_gaudi_ds.jit_ops.locks import extensions_root
+
+        monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+        seen: list[str | None] = []
+        load = CPUAdamBuilder.load
+
+        def spy(builder: Any, *args: Any, **kwargs: Any) -> Any:
+            seen.append(os.environ.get("TORCH_EXTENSIONS_DIR"))
+            return load(builder, *args, **kwargs)
+
+        monkeypatch.setattr(CPUAdamBuilder, "load", spy)
+        to_cpu_adam(torch.optim.AdamW(self._groups(), lr=0.1))
+        assert seen == [str(extensions_root())]
+        assert "TORCH_EXTENSIONS_DIR" not in os.environ  # set for the load only
 
     def test_scheduler_follows_without_warning(self) -> None:
         from lightning_gaudi_ds.engine.train import to_cpu_adam

@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 
 from lightning_gaudi_ds._compat import _MockOptimizer, mark_step_wrapped_for_lr_scheduler
 from lightning_gaudi_ds.config import ConfigError, offloads_optimizer
+from lightning_gaudi_ds.jit_ops.locks import op_cache
 
 if TYPE_CHECKING:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -53,14 +54,15 @@ def to_cpu_adam(optimizer: Optimizer, scheduler: Any | None = None) -> DeepSpeed
     for group in optimizer.param_groups:  # DeepSpeedCPUAdam's C++ step takes plain floats
         group["lr"] = float(group["lr"])
         group["betas"] = tuple(float(b) for b in group["betas"])
-    cpu_adam = DeepSpeedCPUAdam(
-        optimizer.param_groups,
-        lr=float(defaults["lr"]),
-        betas=tuple(float(b) for b in defaults["betas"]),
-        eps=float(defaults["eps"]),
-        weight_decay=float(defaults["weight_decay"]),
-        adamw_mode=decoupled,
-    )
+    with op_cache():  # the cpu_adam op the set-up built for this environment (DeepSpeed loads it here)
+        cpu_adam = DeepSpeedCPUAdam(
+            optimizer.param_groups,
+            lr=float(defaults["lr"]),
+            betas=tuple(float(b) for b in defaults["betas"]),
+            eps=float(defaults["eps"]),
+            weight_decay=float(defaults["weight_decay"]),
+            adamw_mode=decoupled,
+        )
     if scheduler is not None and getattr(scheduler, "optimizer", None) is optimizer:
         scheduler.optimizer = cpu_adam
         mark_step_wrapped_for_lr_scheduler(cpu_adam)
