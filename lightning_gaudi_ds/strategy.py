@@ -553,8 +553,10 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
 
 
 def _is_partition(param: Tensor) -> bool:
-    """A ZeRO-3 parameter whose data is an empty placeholder (the values live in its rank's partition)."""
-    return int(getattr(param, "ds_numel", 0)) > 0 and param.numel() == 0
+    """A ZeRO-3 parameter not gathered now: its values live in the ranks' partitions (DeepSpeed's own status)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return getattr(param, "ds_status", None) is ZeroParamStatus.NOT_AVAILABLE
 
 
 # Defining the strategy registers its names, however this module was reached (lightning_gaudi_ds/__init__.py

@@ -20,6 +20,9 @@ FORK_TIER = (
     "tests/test_launch_e2e.py::test_deepspeed_launcher",
     "tests/test_exit.py::test_process_group_threads_end_before_finalization",
 )
+# Left to the main tier: examples/generate.py's CLI wiring (80 s) does not depend on DeepSpeed's version; the
+# tensor-parallel engine it drives is in the 0.16.1 tier through the other tests of tests/test_inference.py.
+NOT_FORK_TIER = ("tests/test_inference.py::test_generate_example_same_text_on_two_ranks_as_on_one",)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -30,7 +33,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     soak = config.getoption("--soak")
     for item in items:
-        if item.nodeid.startswith(FORK_TIER):
+        if item.nodeid.startswith(FORK_TIER) and not item.nodeid.startswith(NOT_FORK_TIER):
             item.add_marker(pytest.mark.fork_tier)
         if "slow" in item.keywords and not soak:
             item.add_marker(pytest.mark.skip(reason="a soak loop: run with --soak"))

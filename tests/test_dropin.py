@@ -348,8 +348,12 @@ def test_zero3_fit_end_warns_when_parameters_are_partitions() -> None:
     strategy = HPUDeepSpeedStrategy(stage=3)
     model = BoringModel()
     strategy.connect(model)
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
     strategy.on_train_end()  # full parameters: nothing to say
-    model.layer.weight.ds_numel = model.layer.weight.numel()
+    model.layer.weight.ds_status = ZeroParamStatus.AVAILABLE  # gathered (a persistent parameter, or inside a gather)
+    strategy.on_train_end()
+    model.layer.weight.ds_status = ZeroParamStatus.NOT_AVAILABLE  # partitioned, as ZeRO-3 leaves them after fit
     model.layer.weight.data = torch.empty(0)
     with pytest.warns(UserWarning, match=r"ZeRO-3: after fit.*`model.state_dict\(\)` returns empty tensors") as rec:
         strategy.on_train_end()
