@@ -270,6 +270,19 @@ def test_fabric_load_reshards_to_another_world_size(
 
 
 @pytest.mark.multiprocess
+def test_from_pretrained_in_init_module_loads_zero3_partitions_with_tied_weights(
+    fabric_runs: list[dict[str, Any]],
+) -> None:
+    for rank in fabric_runs:
+        run = rank["hf_stage3"]
+        assert run["embedding_partitioned"], run  # built already partitioned, not materialized then split
+        assert run["tied_when_built"] and run["tied_after_setup"], run  # one embedding/head parameter
+        # the pretrained weights were loaded into the partitions: the first loss is plain PyTorch's on that folder
+        assert run["losses"][0] == pytest.approx(run["reference"], abs=1e-5, rel=0)
+        assert run["losses"][1] < run["losses"][0]
+
+
+@pytest.mark.multiprocess
 def test_fabric_lm_example_trains_saves_and_resumes(tmp_path: Path) -> None:
     example = REPO / "examples" / "fabric_lm.py"
     tiny = ["--strategy", "hpu_deepspeed_stage_3", "--accelerator", "cpu", "--devices", "2", "--n_layer", "1",
