@@ -10,6 +10,7 @@ import contextlib
 import importlib
 import inspect
 import io
+import os
 import re
 import sys
 from importlib.metadata import version
@@ -269,7 +270,8 @@ def test_lightning_fabric_run_command_and_its_torchrun_command_line(monkeypatch:
     names = {param.name for param in command.params}
     assert {"script", "accelerator", "strategy", "devices", "script_args"} <= names, names
     for key in ("LT_CLI_USED", "LT_ACCELERATOR", "LT_STRATEGY", "LT_DEVICES", "LT_NUM_NODES", "OMP_NUM_THREADS"):
-        monkeypatch.delenv(key, raising=False)  # Lightning's body exports them: put back after the test
+        monkeypatch.setenv(key, "")  # Lightning's body exports them: monkeypatch puts back what was there
+        monkeypatch.delenv(key)
     started: list[list[str]] = []
     monkeypatch.setattr(torchrun, "main", started.append)
     options = {"accelerator": "cpu", "strategy": "ddp", "devices": "2", "num_nodes": 1, "node_rank": 0,
@@ -279,6 +281,8 @@ def test_lightning_fabric_run_command_and_its_torchrun_command_line(monkeypatch:
         f"{LIGHTNING}'s `fabric run` no longer ends torchrun's command line with the script and its arguments, as"
         f" _compat.fabric_run_module relies on ({used_by}): {started}")
     assert "--nproc_per_node=2" in started[0]
+    monkeypatch.undo()
+    assert "LT_STRATEGY" not in os.environ
 
 
 # ==================================================================== checkpoints (lightning_gaudi_ds.checkpoint)

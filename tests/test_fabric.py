@@ -25,6 +25,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning_gaudi_ds import HPUAccelerator, _compat, cli, fabric_cli, hpu
 from lightning_gaudi_ds import HPUDeepSpeedStrategy as TrainerStrategy
 from lightning_gaudi_ds.checkpoint import MANIFEST
+from lightning_gaudi_ds.config import ConfigError
 from lightning_gaudi_ds.engine import process
 from lightning_gaudi_ds.fabric import HPUDeepSpeedStrategy
 from lightning_gaudi_ds.launch._proc import free_port
@@ -97,6 +98,17 @@ def test_bad_arguments_get_the_trainer_strategys_error(kwargs: dict[str, Any]) -
         HPUDeepSpeedStrategy(**kwargs)
     assert type(fabric_error.value) is type(trainer_error.value)
     assert str(fabric_error.value) == str(trainer_error.value)
+
+
+def test_one_signature_for_both_strategies_less_the_inference_engine() -> None:
+    import inspect
+
+    assert inspect.signature(HPUDeepSpeedStrategy) == inspect.signature(TrainerStrategy)  # typed and documented once
+    strategy = HPUDeepSpeedStrategy(3, offload_optimizer=True, logging_batch_size_per_gpu=3, number_checkpoints=2)
+    assert strategy.zero_stage_3 and strategy.config["train_micro_batch_size_per_gpu"] == 3  # Lightning's, by keyword
+    assert strategy.config["activation_checkpointing"]["number_checkpoints"] == 2
+    with pytest.raises(ConfigError, match=r"no inference engine: tensor_parallel, dtype configure the Trainer"):
+        HPUDeepSpeedStrategy(tensor_parallel={"tp_size": 2}, dtype="bf16")
 
 
 def test_precision_the_device_cannot_run_is_refused_when_fabric_is_built() -> None:
