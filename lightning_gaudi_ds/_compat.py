@@ -61,6 +61,8 @@ __all__ = [
     "disable_deepspeed_op",
     "ds_to_universal",
     "extensions_root",
+    "fabric_run_command",
+    "fabric_run_module",
     "forget_jit_extension",
     "hf_deepspeed_config_ref",
     "is_unimplemented_builder",
@@ -428,6 +430,26 @@ def created_deepspeed_accelerator() -> str | None:
 # documented: it comes from ``deepspeed.constants`` and is how DeepSpeedLauncherEnvironment tells the nodes apart.
 DEEPSPEED_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "CROSS_RANK")
 DEEPSPEED_NODE_RANK_ENV = "CROSS_RANK"
+
+
+# Lightning's ``fabric run`` (lightning/fabric/cli.py, 2.6.6): its click command, whose options
+# ``lightning_gaudi_ds.fabric_cli`` takes as they are, and its body, which sets the ``LT_*`` variables Fabric's
+# connector reads in the ranks and runs torchrun on ``[..., args.script, *script_args]`` (``_torchrun_launch``).
+def fabric_run_command() -> Any:
+    """Lightning's ``fabric run`` ``click.Command`` (``lightning.fabric.cli._run``); None when click is missing,
+    as Lightning then defines no command."""
+    from lightning.fabric import cli
+
+    return getattr(cli, "_run", None)
+
+
+def fabric_run_module(options: Mapping[str, Any], module_argv: list[str]) -> None:
+    """Lightning's ``fabric run`` with ``options`` (its command's parameters, less ``script_args``) on
+    ``python -m <module_argv>`` instead of a script: torchrun's command line ends with ``args.script`` and the
+    script's arguments, so ``"-m"`` as the script makes the first of ``module_argv`` torchrun's module."""
+    from lightning.fabric import cli
+
+    cli.main(args=argparse.Namespace(**{**options, "script": "-m"}), script_args=module_argv)
 
 
 # ==================================================================== checkpoints (lightning_gaudi_ds.checkpoint)

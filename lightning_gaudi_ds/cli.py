@@ -27,6 +27,8 @@ COMMANDS: dict[str, Command] = {
                        "convert a sharded ZeRO checkpoint to one fp32 file or a Hugging Face model directory"),
     "env": Command("lightning_gaudi_ds.report",
                    "print device, versions, built DeepSpeed ops and stale build locks"),
+    "fabric": Command("lightning_gaudi_ds.fabric_cli",
+                      "Lightning's `fabric run`, knowing the hpu accelerator and every hpu_deepspeed* strategy"),
     "plan": Command("lightning_gaudi_ds.planning.command",
                     "predicted memory per rank for ZeRO stages 0-3 and offload"),
 }

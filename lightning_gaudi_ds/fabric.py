@@ -13,13 +13,12 @@ process group to :mod:`lightning_gaudi_ds.engine.process` and :mod:`lightning_ga
 from __future__ import annotations
 
 import functools
-import logging
+import inspect
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
 from lightning.fabric.strategies.ddp import DDPStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -29,7 +28,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gaudi_ds import checkpoint as ckpt
-from lightning_gaudi_ds import hf, hpu
+from lightning_gaudi_ds import hf
 from lightning_gaudi_ds._compat import _PATH, _move_state_into
 from lightning_gaudi_ds.config import ConfigError, StrategyConfig, offloads_optimizer
 from lightning_gaudi_ds.devices import device_spec
@@ -38,6 +37,7 @@ from lightning_gaudi_ds.engine.device import hccl_reduce
 from lightning_gaudi_ds.engine.step import step
 from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV
 from lightning_gaudi_ds.strategy import _REGISTERED
+from lightning_gaudi_ds.strategy import HPUDeepSpeedStrategy as TrainerStrategy
 
 if TYPE_CHECKING:
     import deepspeed
@@ -46,49 +46,36 @@ if TYPE_CHECKING:
 class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
     """DeepSpeed ZeRO stages 0-3 (with CPU/NVMe offload) for Lightning Fabric on Intel Gaudi, CUDA GPUs and CPUs.
 
-    The arguments are those of the Trainer's :class:`lightning_gaudi_ds.HPUDeepSpeedStrategy` (checked with the same
-    errors), less its inference-engine ones: ``stage`` (0-3 or ``"auto"``: chosen when ``fabric.setup`` sees the
-    model), ``device_memory``, ``measure_activations``, ``config`` (path or dict, ``PL_DEEPSPEED_CONFIG_PATH`` when
-    unset; its ``"auto"`` values are filled from Fabric's precision, world size and the model), offload,
-    ``hpu_mode``, ``torch_compile``, ``number_checkpoints``, ``zero3_leaf_modules``, and every other argument of
+    The arguments are those of the Trainer's :class:`lightning_gaudi_ds.HPUDeepSpeedStrategy`, documented there
+    (one signature for both, checked with the same errors), less its inference-engine ones (``tensor_parallel``,
+    ``dtype``, ``replace_with_kernel_inject``, ``injection_policy``, ``replace_method``, ``enable_cuda_graph``),
+    which are refused: ``stage`` (0-3 or ``"auto"``: chosen when ``fabric.setup`` sees the model),
+    ``device_memory``, ``measure_activations``, ``config`` (path or dict, ``PL_DEEPSPEED_CONFIG_PATH`` when unset;
+    its ``"auto"`` values are filled from Fabric's precision, world size and the model), offload, ``hpu_mode``,
+    ``torch_compile``, ``number_checkpoints``, ``zero3_leaf_modules``, and every other argument of
     :class:`lightning.fabric.strategies.DeepSpeedStrategy` by keyword.
     """
 
-    def __init__(
-        self,
-        stage: int | Literal["auto"] = 2,
-        *,
-        device_memory: int | str | None = None,
-        measure_activations: bool = False,
-        accelerator: Accelerator | None = None,
-        config: _PATH | dict[str, Any] | None = None,
-        offload_optimizer: bool = False,
-        offload_parameters: bool = False,
-        remote_device: str | None = None,
-        nvme_path: str = "/local_nvme",
-        process_group_backend: str | None = None,
-        logging_level: int = logging.WARN,
-        hpu_mode: hpu.Mode | None = None,
-        torch_compile: bool | None = None,
-        number_checkpoints: int | None = None,
-        zero3_leaf_modules: Sequence[type[Module] | str] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        arguments = dict(
-            stage=stage, accelerator=accelerator, config=config, offload_optimizer=offload_optimizer,
-            offload_parameters=offload_parameters, remote_device=remote_device, nvme_path=nvme_path,
-            process_group_backend=process_group_backend, logging_level=logging_level, **kwargs,
-        )
+    @process.arguments_of(TrainerStrategy)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = _TRAINER_ARGUMENTS.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        arguments.update(arguments.pop("kwargs"))
+        inference = [name for name in _INFERENCE_ONLY if arguments.pop(name) is not None]
+        if inference:
+            raise ConfigError(
+                f"HPUDeepSpeedStrategy for Fabric has no inference engine: {', '.join(inference)} configure"
+                " the Trainer strategy's trainer.predict/validate/test; remove them (Fabric runs the model as trained)."
+            )
+        own = {name: arguments.pop(name) for name in _PACKAGE_ONLY}
+        leaf_modules = own.pop("zero3_leaf_modules")
         # Created before Fabric's __init__, which loads the config through _load_config.
-        self._resolver, arguments["stage"] = StrategyConfig.from_arguments(
-            type(self), arguments, hpu_mode=hpu_mode, torch_compile=torch_compile,
-            measure_activations=measure_activations, number_checkpoints=number_checkpoints,
-            device_memory=device_memory,
-        )
+        self._resolver, arguments["stage"] = StrategyConfig.from_arguments(type(self), arguments, **own)
         super().__init__(**arguments)
-        self._adopt_arguments(config=config, offload_parameters=offload_parameters,
-                              number_checkpoints=number_checkpoints, hpu_mode=hpu_mode, torch_compile=torch_compile,
-                              zero3_leaf_modules=zero3_leaf_modules)
+        self._adopt_arguments(config=arguments["config"], offload_parameters=arguments["offload_parameters"],
+                              number_checkpoints=own["number_checkpoints"], hpu_mode=own["hpu_mode"],
+                              torch_compile=own["torch_compile"], zero3_leaf_modules=leaf_modules)
         self._unresolved: ConfigError | None = None  # set up before the model: what only the model can resolve
 
     # ----------------------------------------------------------------------------------------- set-up
@@ -247,6 +234,12 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
             strategy_registry.register(name, cls, description=description, override=True, **kwargs)
 
 
+_TRAINER_ARGUMENTS = inspect.signature(TrainerStrategy)
+# The Trainer strategy's arguments that Fabric's refuses, and those of this package that Lightning's do not take.
+_INFERENCE_ONLY = ("tensor_parallel", "dtype", "replace_with_kernel_inject", "injection_policy", "replace_method",
+                   "enable_cuda_graph")
+_PACKAGE_ONLY = ("device_memory", "measure_activations", "hpu_mode", "torch_compile", "number_checkpoints",
+                 "zero3_leaf_modules")
 _FABRIC_OPT_IN = "pass `weights_only=False` to fabric.load"
 
 

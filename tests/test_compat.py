@@ -10,6 +10,7 @@ import contextlib
 import importlib
 import inspect
 import io
+import os
 import re
 import sys
 from importlib.metadata import version
@@ -257,6 +258,31 @@ def test_deepspeed_runner_accepts_the_flags_the_plan_passes(tmp_path: Path, case
         except SystemExit:
             pytest.fail(f"{DEEPSPEED} changed `python -m deepspeed.launcher.runner`: it refuses the flags"
                         f" launch/plan.py passes for {case!r} ({' '.join(flags)}): {err.getvalue().strip()}")
+
+
+def test_lightning_fabric_run_command_and_its_torchrun_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed.run as torchrun
+
+    used_by = "lightning_gaudi_ds.fabric_cli (`lightning-gaudi-ds fabric run`)"
+    command = _compat.fabric_run_command()
+    if command is None:
+        pytest.fail(f"{LIGHTNING} removed lightning.fabric.cli._run (Lightning's `fabric run`), used by {used_by}")
+    names = {param.name for param in command.params}
+    assert {"script", "accelerator", "strategy", "devices", "script_args"} <= names, names
+    for key in ("LT_CLI_USED", "LT_ACCELERATOR", "LT_STRATEGY", "LT_DEVICES", "LT_NUM_NODES", "OMP_NUM_THREADS"):
+        monkeypatch.setenv(key, "")  # Lightning's body exports them: monkeypatch puts back what was there
+        monkeypatch.delenv(key)
+    started: list[list[str]] = []
+    monkeypatch.setattr(torchrun, "main", started.append)
+    options = {"accelerator": "cpu", "strategy": "ddp", "devices": "2", "num_nodes": 1, "node_rank": 0,
+               "main_address": "127.0.0.1", "main_port": 29400, "precision": None}
+    _compat.fabric_run_module(options, ["some.module", "train.py", "--lr", "1"])
+    assert started and started[0][-5:] == ["-m", "some.module", "train.py", "--lr", "1"], (
+        f"{LIGHTNING}'s `fabric run` no longer ends torchrun's command line with the script and its arguments, as"
+        f" _compat.fabric_run_module relies on ({used_by}): {started}")
+    assert "--nproc_per_node=2" in started[0]
+    monkeypatch.undo()
+    assert "LT_STRATEGY" not in os.environ
 
 
 # ==================================================================== checkpoints (lightning_gaudi_ds.checkpoint)

@@ -403,6 +403,12 @@ class TestModelSizes:
             "zero_optimization.stage3_param_persistence_threshold": 10240,
         }
 
+    def test_buckets_of_an_odd_hidden_size_are_even(self) -> None:
+        # DeepSpeed's ZeRO 1-2 optimizer asserts allgather_bucket_size % 2 == 0 (nn.Linear(8, 1): hidden size 1).
+        sizes = dsc.bucket_sizes(1)
+        assert sizes["zero_optimization.allgather_bucket_size"] == sizes["zero_optimization.reduce_bucket_size"] == 2
+        assert dsc.bucket_sizes(3)["zero_optimization.allgather_bucket_size"] == 10
+
     def test_hidden_from_largest_2d_parameter(self) -> None:
         lm = nn.Sequential(nn.Embedding(1000, 48), nn.Linear(48, 192), nn.Linear(192, 48))
         assert dsc.hidden_size(lm) == 48  # the embedding (1000 x 48) is largest: its smaller side is d_model

@@ -22,11 +22,13 @@ from lightning.fabric import Fabric
 from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 
-from lightning_gaudi_ds import HPUAccelerator, hpu
+from lightning_gaudi_ds import HPUAccelerator, _compat, cli, fabric_cli, hpu
 from lightning_gaudi_ds import HPUDeepSpeedStrategy as TrainerStrategy
 from lightning_gaudi_ds.checkpoint import MANIFEST
+from lightning_gaudi_ds.config import ConfigError
 from lightning_gaudi_ds.engine import process
 from lightning_gaudi_ds.fabric import HPUDeepSpeedStrategy
+from lightning_gaudi_ds.launch._proc import free_port
 from lightning_gaudi_ds.strategy import _REGISTERED
 from tests.procs import JOBS, REPO, run_job
 from tests.test_hpu_wiring import clean_env, gaudi  # noqa: F401  (fixtures)
@@ -96,6 +98,17 @@ def test_bad_arguments_get_the_trainer_strategys_error(kwargs: dict[str, Any]) -
         HPUDeepSpeedStrategy(**kwargs)
     assert type(fabric_error.value) is type(trainer_error.value)
     assert str(fabric_error.value) == str(trainer_error.value)
+
+
+def test_one_signature_for_both_strategies_less_the_inference_engine() -> None:
+    import inspect
+
+    assert inspect.signature(HPUDeepSpeedStrategy) == inspect.signature(TrainerStrategy)  # typed and documented once
+    strategy = HPUDeepSpeedStrategy(3, offload_optimizer=True, logging_batch_size_per_gpu=3, number_checkpoints=2)
+    assert strategy.zero_stage_3 and strategy.config["train_micro_batch_size_per_gpu"] == 3  # Lightning's, by keyword
+    assert strategy.config["activation_checkpointing"]["number_checkpoints"] == 2
+    with pytest.raises(ConfigError, match=r"no inference engine: tensor_parallel, dtype configure the Trainer"):
+        HPUDeepSpeedStrategy(tensor_parallel={"tp_size": 2}, dtype="bf16")
 
 
 def test_precision_the_device_cannot_run_is_refused_when_fabric_is_built() -> None:
@@ -269,6 +282,19 @@ def test_fabric_load_reshards_to_another_world_size(
 
 
 @pytest.mark.multiprocess
+def test_from_pretrained_in_init_module_loads_zero3_partitions_with_tied_weights(
+    fabric_runs: list[dict[str, Any]],
+) -> None:
+    for rank in fabric_runs:
+        run = rank["hf_stage3"]
+        assert run["embedding_partitioned"], run  # built already partitioned, not materialized then split
+        assert run["tied_when_built"] and run["tied_after_setup"], run  # one embedding/head parameter
+        # the pretrained weights were loaded into the partitions: the first loss is plain PyTorch's on that folder
+        assert run["losses"][0] == pytest.approx(run["reference"], abs=1e-5, rel=0)
+        assert run["losses"][1] < run["losses"][0]
+
+
+@pytest.mark.multiprocess
 def test_fabric_lm_example_trains_saves_and_resumes(tmp_path: Path) -> None:
     example = REPO / "examples" / "fabric_lm.py"
     tiny = ["--strategy", "hpu_deepspeed_stage_3", "--accelerator", "cpu", "--devices", "2", "--n_layer", "1",
@@ -282,3 +308,79 @@ def test_fabric_lm_example_trains_saves_and_resumes(tmp_path: Path) -> None:
     assert f"resumed from {checkpoint} at step 4" in resumed and "6 steps on 2 x cpu" in resumed, resumed[-3000:]
     rows = (tmp_path / "metrics.csv").read_text().splitlines()
     assert rows[0] == "step,train_loss,val_loss" and rows[1].startswith("5,")  # the resumed run counts on from 4
+
+
+# --------------------------------------------------- `lightning-gaudi-ds fabric run` (Lightning's `fabric run`)
+def _no_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed.run as torchrun
+
+    monkeypatch.setattr(torchrun, "main", lambda *args: pytest.fail("a process was started"))
+
+
+def test_fabric_run_takes_lightnings_options_plus_hpu_and_every_registered_name(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    run = fabric_cli.fabric_group().commands["run"]
+    for name, _, _ in _REGISTERED:  # offload names included: each is complete as registered
+        ctx = run.make_context("run", ["--accelerator", "hpu", "--strategy", name, "--devices", "8",
+                                       "--num_nodes", "2", "--precision", "bf16-mixed", str(script), "--lr", "1"])
+        assert ctx.params["strategy"] == name and ctx.params["accelerator"] == "hpu"
+        assert ctx.params["num_nodes"] == 2 and ctx.params["script_args"] == ("--lr", "1")
+    lightning_run = _compat.fabric_run_command()
+    assert {p.name for p in run.params} == {p.name for p in lightning_run.params}  # exactly Lightning's options
+    ddp = run.make_context("run", ["--strategy", "ddp", "--accelerator", "cpu", str(script)]).params
+    assert ddp["strategy"] == "ddp"  # Lightning's own names still there
+    accelerator = next(p for p in lightning_run.params if p.name == "accelerator")
+    assert "hpu" not in accelerator.type.choices  # Lightning's command is left as it was
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--strategy", "hpu_deepspeed_stage_4"], "Invalid value for '--strategy': 'hpu_deepspeed_stage_4' is not one"),
+        (["--accelerator", "gaudi"], "Invalid value for '--accelerator': 'gaudi' is not one of"),
+        (["--accelerator", "hpu", "--devices", "0,1"], "HABANA_VISIBLE_MODULES=0,1 and pass --devices 2"),
+        (["--accelerator", "hpu", "--devices", "auto"], "'auto' counts the Gaudi devices of this machine, and none"),
+    ],
+)
+def test_fabric_run_refuses_bad_input_before_any_process_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str],
+    message: str,
+) -> None:
+    _no_torchrun(monkeypatch)
+    monkeypatch.setattr(hpu, "hpu_available", lambda: False)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    environ = dict(os.environ)
+    assert cli.main(["fabric", "run", *argv, str(script)]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    if "--strategy" in argv:
+        assert "hpu_deepspeed_stage_3_offload_nvme" in err  # the allowed names are listed
+    assert dict(os.environ) == environ
+
+
+def test_fabric_run_counts_hpus_for_auto_devices(gaudi: Any) -> None:  # noqa: F811
+    assert fabric_cli.hpu_processes("auto") == gaudi.devices == 8
+    assert fabric_cli.hpu_processes("2") == 2
+
+
+@pytest.mark.multiprocess
+def test_fabric_run_trains_a_script_that_never_imports_the_package(tmp_path: Path) -> None:
+    # The LitGPT case: the script builds `Fabric()` from fabric run's LT_* variables and imports only Lightning.
+    script = JOBS / "fabric_run_job.py"
+    imports = [line for line in script.read_text().splitlines() if line.startswith(("import ", "from "))]
+    assert imports and not any("lightning_gaudi_ds" in line for line in imports)
+    run_job([sys.executable, "-m", "lightning_gaudi_ds", "fabric", "run", "--accelerator", "cpu", "--devices", "2",
+             "--strategy", "hpu_deepspeed_stage_2", "--main-port", str(free_port()), str(script), str(tmp_path)],
+            timeout=600).check()
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank, result in enumerate(ranks):
+        assert result["strategy"] == "lightning_gaudi_ds.fabric.HPUDeepSpeedStrategy" and result["zero_stage"] == 2
+        assert result["world_size"] == 2 and result["global_rank"] == rank
+        assert result["losses"][-1] < result["losses"][0]  # it trained
+        # run as `python SCRIPT ARGS` would: __main__, its argv, its folder first on sys.path
+        assert result["name"] == "__main__" and result["argv"] == [str(script), str(tmp_path)]
+        assert result["path0"] == str(JOBS)
+    assert ranks[0]["weights"] == ranks[1]["weights"]  # one model: the ranks' gradients were averaged
+    assert ranks[0]["losses"] != ranks[1]["losses"]  # on batches of their own

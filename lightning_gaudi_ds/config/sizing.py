@@ -14,10 +14,12 @@ from lightning_gaudi_ds.config.keys import AUTO, BUCKET_KEYS, ZERO
 
 
 def bucket_sizes(hidden: int) -> dict[str, int]:
-    """Hugging Face's rule for bucket sizes from the model's hidden size (elements, not bytes)."""
+    """Hugging Face's rule for bucket sizes from the model's hidden size (elements, not bytes), rounded up to an
+    even count: ZeRO 1-2 assert that the allgather bucket is a multiple of 2 elements (an odd hidden size fails)."""
+    square = hidden * hidden + (hidden * hidden) % 2
     return {
-        f"{ZERO}.reduce_bucket_size": hidden * hidden,
-        f"{ZERO}.allgather_bucket_size": hidden * hidden,
+        f"{ZERO}.reduce_bucket_size": square,
+        f"{ZERO}.allgather_bucket_size": square,
         f"{ZERO}.stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
         f"{ZERO}.stage3_param_persistence_threshold": 10 * hidden,
     }

@@ -12,7 +12,7 @@ import argparse
 import copy
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -34,6 +34,25 @@ from lightning_gaudi_ds.engine import checkpointing, shutdown
 from lightning_gaudi_ds.engine.device import DeviceRuntime
 from lightning_gaudi_ds.jit_ops.startup import prepare_startup
 from lightning_gaudi_ds.launch.rendezvous import bounded_rendezvous, rendezvous_timeout, waiting_message
+
+_P = ParamSpec("_P")
+_S = TypeVar("_S")
+
+
+class _TakesArgumentsOf(Protocol[_P]):
+    def __call__(self, init: Callable[Concatenate[_S, ...], None], /) -> Callable[Concatenate[_S, _P], None]: ...
+
+
+def arguments_of(cls: Callable[_P, Any]) -> _TakesArgumentsOf[_P]:
+    """``@arguments_of(Other)`` on an ``__init__(self, *args, **kwargs)``: the arguments of ``Other(...)``, as mypy,
+    IDEs and ``inspect.signature`` (through ``__wrapped__``) see them. One typed, documented argument list serves
+    both strategies."""
+
+    def decorate(init: Any) -> Any:
+        init.__wrapped__ = cls.__init__
+        return init
+
+    return decorate
 
 
 class StrategyCommon:

@@ -2,7 +2,8 @@
 runs, each in a new ``Fabric`` (the first ``fabric.launch()`` starts rank 1; later ones find it started).
 
 Runs: the registered strategy names at ZeRO stages 0-3 in fp32 and bf16-mixed, Fabric's DDP as the reference, a
-ZeRO-3 model built under ``fabric.init_module(empty_init=True)``, and ``fabric.save``/``fabric.load`` with a resume.
+ZeRO-3 model built under ``fabric.init_module(empty_init=True)``, ``fabric.save``/``fabric.load`` with a resume, and
+a tied-weights Hugging Face model loaded by ``from_pretrained`` inside ``init_module`` under ZeRO-3.
 Each rank writes ``rank<N>.json``: per run, its losses and what it saw.
 """
 
@@ -124,6 +125,40 @@ def reload(strategy: str, directory: Path, devices: int) -> dict[str, Any]:
     return {"eval": loss, "step": state["step"], "after_step": after_step}
 
 
+def hf_from_pretrained(directory: Path) -> dict[str, Any]:
+    """A tiny Llama with tied embedding/head, saved by rank 0, loaded by ``from_pretrained`` inside
+    ``fabric.init_module(empty_init=True)`` under ZeRO-3; its first loss against the same folder loaded in plain
+    PyTorch, then two steps."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    fabric = fabric_for("hpu_deepspeed_stage_3")
+    folder = directory / "tiny_llama"
+    if fabric.global_rank == 0:
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                     tie_word_embeddings=True)).save_pretrained(folder)
+    fabric.barrier()
+    tokens = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(fabric.global_rank))
+    reference = float(AutoModelForCausalLM.from_pretrained(folder)(input_ids=tokens, labels=tokens).loss)
+    with fabric.init_module(empty_init=True):
+        model = AutoModelForCausalLM.from_pretrained(folder)
+    embedding = model.get_input_embeddings().weight
+    built = {"embedding_partitioned": embedding.numel() == 0 and getattr(embedding, "ds_numel", 0) == 128 * 64,
+             "tied_when_built": model.get_output_embeddings().weight is embedding}
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    losses = []
+    for _ in range(2):
+        loss = model(input_ids=fabric.to_device(tokens), labels=fabric.to_device(tokens)).loss
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    module = model.module
+    tied = module.get_output_embeddings().weight is module.get_input_embeddings().weight
+    return {"reference": reference, "losses": losses, "tied_after_setup": tied, **built}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -150,6 +185,7 @@ def main() -> None:
     results["offload_stage2"] = run("hpu_deepspeed_stage_2_offload")  # torch Adam becomes DeepSpeedCPUAdam
     for stage in (2, 3):
         results[f"resume_stage{stage}"] = save_and_resume(f"hpu_deepspeed_stage_{stage}", out / "ckpt" / str(stage))
+    results["hf_stage3"] = hf_from_pretrained(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(results))
 
