@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         child = subprocess.Popen(
             command, env=env, stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd,
             preexec_fn=functools.partial(signal_when_parent_dies, signal.SIGKILL), close_fds=True,
+            process_group=0,  # signals reach the script through this shim only, once (torchrun signals our group)
         )
         os.close(write_fd)
         record: dict[str, Any] = {
