@@ -3,9 +3,12 @@ step after the restart, and the final fp32 weights of an interrupted-and-restart
 
     python benchmarks/restart.py                  # K = 1, 2, 4; results in benchmarks/results/restart.{jsonl,md}
     python benchmarks/restart.py --every 2 --tag restart_tiny --tiny   # one interval, few steps
+    python benchmarks/restart.py --two_hosts --every 2   # one rank on each of the multi-node tier's two hosts
 
 Every job is tests/jobs/restart_job.py (2 ranks on gloo, ZeRO-2, fp32, ``ModelCheckpoint(every_n_train_steps=K,
-save_last=True)``) under ``lightning-gaudi-ds spawn --world_size 2 --max_restarts 1`` (torchrun), on this host.
+save_last=True)``) under ``lightning-gaudi-ds spawn --world_size 2 --max_restarts 1`` (torchrun), on this host;
+with ``--two_hosts``, on the multi-node tier's hosts n0 and n1 (tests/multinode/cluster.py: network namespaces with
+their own sshd, root only), one rank each, ``spawn --hostfile --use_deepspeed`` from n0 (pdsh), rank 1 on n1.
 For each K, rank 1 SIGKILLs itself inside step F (``--kill 0:F:1:KILL``); the restart resumes from ``last.ckpt``.
 The reference, the same job uninterrupted, runs in the same invocation, first. Measured per row, from the ranks'
 own records (``attempt<A>-rank<R>.json``):
@@ -24,13 +27,16 @@ tiny mode here costs ~3 job start-ups, over the test budget).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,15 +79,41 @@ def measure(out: Path, reference: Path | None = None) -> dict[str, Any]:
     return figures
 
 
-def run_job(out: Path, steps: int, every: int, kill: str | None, timeout: float) -> None:
-    args = [*SPAWN, *(["--max_restarts", "1"] if kill else []), str(JOB), "--out", str(out), "--steps", str(steps),
-            "--every", str(every), *(["--kill", kill] if kill else [])]
+def run_job(out: Path, steps: int, every: int, kill: str | None, timeout: float, cluster: Any = None) -> None:
+    job = [str(JOB), "--out", str(out), "--steps", str(steps), "--every", str(every),
+           *(["--kill", kill] if kill else [])]
+    restarts = ["--max_restarts", "1"] if kill else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    if cluster is None:
+        args, cwd = [*SPAWN, *restarts, *job], None
+    else:
+        args = [*cluster.hosts[0].enter(cluster.root), sys.executable, "-m", "lightning_gaudi_ds", "spawn",
+                "--hostfile", str(cluster.hostfile(1)), "--use_deepspeed", "--master_port", "0", *restarts, *job,
+                "--num_nodes", "2"]
+        env, cwd = {**env, **cluster.env()}, cluster.root
     start = time.time()
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, start_new_session=True)
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, start_new_session=True,
+                          cwd=cwd)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
     print(f"  {out.name}: {time.time() - start:.1f} s", flush=True)
+
+
+@contextlib.contextmanager
+def _two_hosts() -> Iterator[Any]:
+    sys.path.insert(0, str(REPO))
+    from tests.multinode import cluster as hosts
+
+    root = hosts.make_root()
+    try:
+        made = hosts.start(root)  # raises hosts.Unavailable, saying what is missing
+        try:
+            yield made
+        finally:
+            made.kill_leftovers()
+            hosts.stop(made)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -114,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, nargs="+", default=[1, 2, 4], help="save intervals K")
     parser.add_argument("--fail_in", type=int, default=7, help="the step F rank 1 is SIGKILLed in")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--two_hosts", action="store_true", help="one rank on each of the multi-node tier's hosts")
     parser.add_argument("--tiny", action="store_true", help="6 steps, failure in step 3 (for development)")
     parser.add_argument("--tag", default="restart", help="output file stem under benchmarks/results/")
     parser.add_argument("--timeout", type=float, default=900, help="per job, seconds")
@@ -132,15 +165,19 @@ def main(argv: list[str] | None = None) -> int:
             "load": round(os.getloadavg()[0], 1), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": " ".join(["python", "benchmarks/restart.py", *(argv if argv is not None else sys.argv[1:])]),
             "steps": args.steps}
+    meta["hosts"] = 2 if args.two_hosts else 1
     rows = []
-    with tempfile.TemporaryDirectory(prefix="lgds_restart_bench_") as tmp:
-        work = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        cluster = stack.enter_context(_two_hosts()) if args.two_hosts else None
+        parent = cluster.root if cluster is not None else None  # on the hosts' shared filesystem
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lgds_restart_bench_", dir=parent)))
         # the weights do not depend on K (only on which steps ran): one reference serves every row
-        run_job(work / "reference", args.steps, args.every[0], None, args.timeout)
+        run_job(work / "reference", args.steps, args.every[0], None, args.timeout, cluster)
         for every in args.every:
             out = work / f"every{every}"
-            run_job(out, args.steps, every, f"0:{args.fail_in}:1:KILL", args.timeout)
-            rows.append({"type": "restart", "every": every, **measure(out, work / "reference")})
+            run_job(out, args.steps, every, f"0:{args.fail_in}:1:KILL", args.timeout, cluster)
+            rows.append({"type": "restart", "hosts": meta["hosts"], "every": every,
+                         **measure(out, work / "reference")})
             print(f"  {rows[-1]}", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.tag}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [meta, *rows]))

@@ -8,26 +8,24 @@ checkpoint saved mid-epoch (its warning says so; a resumable loader, with ``stat
 
 ``--kill "attempt:step:rank:signal"`` (repeatable): on that start of the job (0: the first), when ``global_step``
 is ``step`` in ``training_step``, that rank (``all``: every rank) sends itself the signal (``KILL`` or ``TERM``).
-``--every K``: a checkpoint every K steps (default 2).
+``--every K``: a checkpoint every K steps (default 2); ``--num_nodes 2``: one rank on each of two hosts.
 
 Each rank writes ``<out>/attempt<A>-rank<R>.json``: the global steps its ``training_step`` saw and when (``times``,
-``killed_at``: when it signalled itself; ``started``: when the process did), the checkpoint it resumed from, and (rank 0 of a fit that completed)
-``<out>/weights.pt``, the final fp32 weights.
+``killed_at``: when it signalled itself; ``started``: when the process did), the checkpoint it resumed from, and
+(rank 0 of a fit that completed) ``<out>/weights.pt``, the final fp32 weights.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import time
-
-STARTED = time.time()  # before the heavy imports: when this process started, near enough
-
-import json  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import psutil
 import torch
 from common import RegressionModel, start_process
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -84,7 +82,8 @@ class StepModel(RegressionModel):
         path = self.out / f"attempt{ATTEMPT}-rank{self.global_rank}.json"
         loader = self.trainer.train_dataloader
         record = {"steps": self.seen, "lrs": self.lrs, "losses": self.losses, "sums": self.sums,
-                  "batches": self.batches, "times": self.times, "killed_at": self.killed_at, "started": STARTED,
+                  "batches": self.batches, "times": self.times, "killed_at": self.killed_at,
+                  "started": psutil.Process().create_time(),
                   "sampler": repr(loader.sampler) if loader is not None else None,
                   "start_sum": self.start_sum, "resumed_from": self.trainer.ckpt_path and str(self.trainer.ckpt_path),
                   **extra}
@@ -99,6 +98,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--kill", action="append", default=[])
     parser.add_argument("--every", type=int, default=2, help="ModelCheckpoint(every_n_train_steps=...)")
+    parser.add_argument("--num_nodes", type=int, default=1, help="2: one rank on each of two hosts")
     args = parser.parse_args()
     start_process()
     out = Path(args.out)
@@ -108,8 +108,9 @@ def main() -> None:
     data = TensorDataset(x.repeat(4, 1), y.repeat(4, 1))  # 2 ranks x 8: 2 steps per epoch, every batch the same
     model = StepModel(args.kill, str(out))
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=HPUDeepSpeedStrategy(stage=2), max_steps=args.steps, logger=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", devices=2 // args.num_nodes, num_nodes=args.num_nodes,
+        strategy=HPUDeepSpeedStrategy(stage=2), max_steps=args.steps, logger=False, enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[ModelCheckpoint(dirpath=str(out / "ckpt"), every_n_train_steps=args.every, save_top_k=-1,
                                    save_last=True)],
     )
