@@ -726,32 +726,46 @@ def zero_init_paused() -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------ ckpt_path="last" (resume)
-def calling_trainer() -> pl.Trainer | None:
-    """The Trainer whose ``fit / validate / test / predict`` assigns ``strategy._lightning_module`` (Lightning 2.6.6
-    does so first thing, before it resolves ``ckpt_path``): the ``self`` of the caller's caller's frame."""
-    import sys
-
-    from lightning.pytorch import Trainer
-
-    frame = sys._getframe(2)
-    candidate = frame.f_locals.get("self") if frame is not None else None
-    return candidate if isinstance(candidate, Trainer) else None
-
-
-ParseCkptPath = Callable[[Any, Any, bool, bool], Any]
-
-
-def hook_ckpt_path(trainer: pl.Trainer, resolve: Callable[[ParseCkptPath, Any, Any, bool, bool], Any]) -> None:
-    """Have this Trainer's ``_CheckpointConnector._parse_ckpt_path(state_fn, ckpt_path, model_provided,
-    model_connected)`` (where Lightning turns ``"last"``, ``"best"``, ``"hpc"`` into a path) call
-    ``resolve(lightning_parse, state_fn, ckpt_path, model_provided, model_connected)`` instead. Only this Trainer
-    instance changes; hooking it twice does nothing."""
+def hook_resume_path(trainer: pl.Trainer, resolve: Callable[[Any], Any]) -> None:
+    """Have this Trainer's ``_CheckpointConnector.resume_start(checkpoint_path, weights_only)`` (Lightning 2.6.6:
+    where ``_run`` starts restoring, before or after ``strategy.setup``, from the path that ``_parse_ckpt_path``
+    made of the user's ``ckpt_path``) restore from ``resolve(checkpoint_path)`` instead. Only this Trainer instance
+    changes; hooking it twice does nothing."""
     connector = trainer._checkpoint_connector
     if getattr(connector, "_lgds_resolve", None) is not None:
         return
-    original = connector._parse_ckpt_path
+    original = connector.resume_start
+
+    def resume_start(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
+        original(resolve(checkpoint_path), weights_only=weights_only)
+
     connector._lgds_resolve = resolve  # type: ignore[attr-defined]
-    connector._parse_ckpt_path = functools.partial(resolve, original)  # type: ignore[method-assign]
+    connector.resume_start = resume_start  # type: ignore[method-assign]
+
+
+def lightning_last_checkpoint(trainer: pl.Trainer, state_fn: Any) -> Any:
+    """What Lightning makes of ``ckpt_path="last"`` (``_CheckpointConnector._parse_ckpt_path``), its message
+    included ("there is no last checkpoint available") when there is none."""
+    return trainer._checkpoint_connector._parse_ckpt_path(state_fn, "last", True, True)
+
+
+def hook_sigterm_broadcast(trainer: pl.Trainer, before: Callable[[], None]) -> None:
+    """Call ``before()`` at the start of every training batch just before Lightning 2.6.6 broadcasts global rank 0's
+    ``trainer.received_sigterm`` to every rank (``_TrainingEpochLoop._broadcast_sigterm_tensor``, only called with
+    more than one rank): a flag rank 0 sets there reaches every rank in that broadcast, and Lightning stops them all
+    at that batch's start (``SIGTERMException``). Only this Trainer's loop changes; hooking it twice does nothing."""
+    loop = trainer.fit_loop.epoch_loop
+    if getattr(loop, "_lgds_before_broadcast", None) is not None:
+        loop._lgds_before_broadcast = before  # type: ignore[attr-defined]
+        return
+    original = loop._broadcast_sigterm_tensor
+    loop._lgds_before_broadcast = before  # type: ignore[attr-defined]
+
+    def broadcast() -> None:
+        loop._lgds_before_broadcast()  # type: ignore[attr-defined]
+        original()
+
+    loop._broadcast_sigterm_tensor = broadcast  # type: ignore[method-assign]
 
 
 def last_checkpoint_candidates(trainer: pl.Trainer) -> set[str]:

@@ -48,8 +48,7 @@ from lightning_gaudi_ds._compat import (
     _init_optimizers_and_lr_schedulers,
     _StrategyRegistry,
     attached_trainer,
-    calling_trainer,
-    hook_ckpt_path,
+    hook_resume_path,
     weights_only_dropped_by_lightning,
 )
 from lightning_gaudi_ds.checkpoint import resume
@@ -409,18 +408,14 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
             super().teardown()
 
     # ----------------------------------- resuming: ckpt_path="last", restarts (lightning_gaudi_ds.checkpoint.resume)
-    @property
-    def _lightning_module(self) -> pl.LightningModule | None:
-        return self.__dict__.get("_lgds_module")
-
-    @_lightning_module.setter
-    def _lightning_module(self, module: pl.LightningModule | None) -> None:
-        # Trainer.fit / validate / test / predict set this first, before they resolve ckpt_path: the moment to
-        # have that Trainer resolve "last" (and a restart's default) with the crash-safe checkpoints.
-        self.__dict__["_lgds_module"] = module
-        trainer = calling_trainer()
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        # Trainer._run connects first, before it restores from the path it made of ckpt_path: the moment to have
+        # that Trainer resolve "last" (and a restart's default) with the crash-safe checkpoints.
+        trainer = attached_trainer(model)
         if trainer is not None and trainer.strategy is self:
-            hook_ckpt_path(trainer, functools.partial(resume.resolve_ckpt_path, trainer))
+            hook_resume_path(trainer, functools.partial(resume.resolve_ckpt_path, trainer))
 
     # ------------------------------------------------------ DeepSpeed JSON config: load, "auto", contradictions
     # Lightning's __init__ calls _load_config; setup (and ZeRO-3's model_sharded_context) call _init_config_if_needed.
@@ -456,13 +451,6 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         if trainer is not None and pending is not None:
             log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank calls it
             publish_resolved(*pending, log_dir, rank_zero=self.is_global_zero)
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        trainer = attached_trainer(self.lightning_module)
-        if trainer is not None:
-            self._preemption.at_batch_start(self, trainer)
 
     # ------------------------------------------------ external launchers (torchrun, deepspeed, mpirun)
     @override

@@ -682,20 +682,23 @@ def test_autotp_names_a_policy_layer_by_its_parent_and_its_own_name() -> None:
 
 
 def test_trainer_hooks_used_by_resume() -> None:
-    """checkpoint.resume hooks the Trainer when fit / validate / test / predict assign ``strategy._lightning_module``,
-    which must come before ``_select_ckpt_path`` (in the ``_*_impl`` they call) resolves "last"; its SIGTERM watch
-    sets the signal connector's flag and calls the handler Lightning found before the fit."""
+    """checkpoint.resume hooks the Trainer when ``_run`` connects the strategy, which must come before it restores
+    (``resume_start``) from the path ``_select_ckpt_path`` made; its SIGTERM watch sets the signal connector's flag
+    just before the epoch loop broadcasts it, and calls the handler Lightning found before the fit."""
     import inspect
 
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
     from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
     used_by = "checkpoint.resume (ckpt_path='last', restarts)"
-    for name in ("fit", "validate", "test", "predict"):
-        source = inspect.getsource(getattr(Trainer, name))
-        assert "self.strategy._lightning_module = model" in source, f"{LIGHTNING}: Trainer.{name}, {used_by}"
-        assert "_select_ckpt_path" in inspect.getsource(getattr(Trainer, f"_{name}_impl")), used_by
+    run = inspect.getsource(Trainer._run)
+    assert run.index("self.strategy.connect(model)") < run.index("_restore_modules_and_callbacks(ckpt_path"), used_by
+    assert "self.resume_start(checkpoint_path" in inspect.getsource(
+        _CheckpointConnector._restore_modules_and_callbacks), used_by
+    assert list(inspect.signature(_CheckpointConnector.resume_start).parameters) == [
+        "self", "checkpoint_path", "weights_only"], used_by
     parse = inspect.signature(_CheckpointConnector._parse_ckpt_path)
     assert list(parse.parameters) == ["self", "state_fn", "ckpt_path", "model_provided", "model_connected"], used_by
     assert callable(getattr(ModelCheckpoint, "_find_last_checkpoints", None)), used_by
@@ -704,3 +707,8 @@ def test_trainer_hooks_used_by_resume() -> None:
     connector = _SignalConnector(object())  # type: ignore[arg-type]
     assert connector.received_sigterm is False and connector._original_handlers == {}, "resume.PreemptionWatch"
     assert "received_sigterm" in inspect.getsource(Trainer.received_sigterm.fget), "resume.PreemptionWatch"
+    advance = inspect.getsource(_TrainingEpochLoop.advance)
+    assert "self._broadcast_sigterm_tensor()" in advance, "resume.PreemptionWatch"
+    broadcast = inspect.getsource(_TrainingEpochLoop._broadcast_sigterm_tensor)
+    assert 'getattr(self.trainer, "received_sigterm"' in broadcast and "src=0" in broadcast, "resume.PreemptionWatch"
+    assert "raise SIGTERMException" in broadcast, "resume.PreemptionWatch"

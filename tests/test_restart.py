@@ -23,8 +23,11 @@ from lightning_gaudi_ds.checkpoint import resume
 from lightning_gaudi_ds.cli import main
 from lightning_gaudi_ds.launch import plan
 from lightning_gaudi_ds.launch._proc import PREEMPTED_EXIT, RESTART_ENV
-from tests.procs import JOBS, run_job
+from tests.procs import JOBS, REPO, run_job
 from tests.test_checkpoint import fake_checkpoint
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import restart as restart_benchmark  # noqa: E402
 
 SPAWN = [sys.executable, "-m", "lightning_gaudi_ds", "spawn", "--world_size", "2", "--master_port", "0"]
 
@@ -51,19 +54,35 @@ def test_every_rank_is_told_which_restart_it_is(tmp_path: Path) -> None:
     assert resume.restart_count({}) == 0 and resume.restart_count({RESTART_ENV: "x"}) == 0
 
 
+def test_the_supervisor_tells_a_shim_from_a_launcher_that_starts_one() -> None:
+    """SIGTERM to the runner goes to the rank shims (which pass it on once), not past them to the scripts: torchrun's
+    command line names the shim too, and its children, the shims, are no shim's scripts."""
+    from lightning_gaudi_ds.launch.plan import SHIM
+    from lightning_gaudi_ds.launch.supervise import _is_shim
+
+    assert _is_shim(["/py", "-u", SHIM, "train.py", "--x"])  # what torchrun and deepspeed's launch.py start
+    assert _is_shim(["/py", SHIM, "train.py"])
+    assert not _is_shim(["/py", "-u", "-m", "torch.distributed.run", "--nproc_per_node", "2", SHIM, "train.py"])
+    assert not _is_shim(["/opt/mpirun", "-np", "2", "-x", "RANK", "/py", "-u", SHIM, "train.py"])
+    assert not _is_shim(["/py", "-u", "train.py", SHIM])  # the script's argument, not the shim
+    assert not _is_shim(["/py", "-u", "train.py"])
+
+
 # --------------------------------------------------------------------------------------- ckpt_path="last"
 def _trainer(dirpath: Path):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.trainer.states import TrainerFn
 
     from lightning_gaudi_ds import HPUDeepSpeedStrategy
 
-    class Trainer(L.Trainer):
-        def attach(self, model: object) -> None:  # what fit/validate/test/predict do first
-            self.strategy._lightning_module = model
-
-    return Trainer(accelerator="cpu", devices=1, strategy=HPUDeepSpeedStrategy(stage=2), logger=False,
-                   enable_progress_bar=False, callbacks=[ModelCheckpoint(dirpath=str(dirpath), save_last=True)])
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=HPUDeepSpeedStrategy(stage=2), logger=False,
+                        enable_progress_bar=False, callbacks=[ModelCheckpoint(dirpath=str(dirpath), save_last=True)])
+    model = L.LightningModule()
+    model.trainer = trainer  # what Trainer.fit does (attach_data) before _run connects the strategy
+    trainer.state.fn = TrainerFn.FITTING
+    trainer.strategy.connect(model)
+    return trainer
 
 
 def test_last_is_the_newest_complete_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -77,33 +96,35 @@ def test_last_is_the_newest_complete_checkpoint(tmp_path: Path, monkeypatch: pyt
     fake_checkpoint(tmp_path, name="last-v2.ckpt.partial", latest=False)  # a save in progress
     os.utime(newer_incomplete, (time.time() + 60, time.time() + 60))
     trainer = _trainer(tmp_path)
-    connector = trainer._checkpoint_connector
     # Lightning alone takes the newest last*.ckpt, a half-written one
-    assert connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, False) == str(newer_incomplete)
-    trainer.attach(object())
+    lightning = trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, False)
+    assert lightning == str(newer_incomplete)
     with pytest.warns(UserWarning, match=r"skipping an incomplete checkpoint, .*last-v1\.ckpt"):
-        assert connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, False) == str(complete)
-    assert connector._parse_ckpt_path(TrainerFn.FITTING, None, True, False) is None  # no restart: as Lightning
+        assert resume.resolve_ckpt_path(trainer, lightning) == str(complete)
+    assert resume.resolve_ckpt_path(trainer, str(complete)) == str(complete)  # a complete one: as given
+    assert resume.resolve_ckpt_path(trainer, None) is None  # no restart: as Lightning
     monkeypatch.setenv(RESTART_ENV, "1")  # a restart: fit without ckpt_path resumes
     with pytest.warns(UserWarning, match="skipping"):
-        assert connector._parse_ckpt_path(TrainerFn.FITTING, None, True, False) == str(complete)
-    assert connector._parse_ckpt_path(TrainerFn.VALIDATING, None, True, False) is None  # only fit resumes
+        assert resume.resolve_ckpt_path(trainer, None) == str(complete)
+    trainer.state.fn = TrainerFn.VALIDATING
+    assert resume.resolve_ckpt_path(trainer, None) is None  # only fit resumes
     candidates = [str(p) for p in tmp_path.iterdir()]
     assert resume.newest_complete(candidates)[0] == str(complete)
 
 
 def test_last_on_a_first_run_is_lightnings_message_not_an_error(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning.pytorch.trainer.states import TrainerFn
-
+    """Through the hook that ``strategy.connect`` puts on the Trainer's restore (``resume_start``)."""
     monkeypatch.setenv(RESTART_ENV, "1")
     trainer = _trainer(tmp_path / "none_yet")
-    trainer.attach(object())
+    connector = trainer._checkpoint_connector
     with pytest.warns(UserWarning, match="there is no last checkpoint available. No checkpoint will be loaded"):
-        assert trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, None, True, False) is None
+        connector.resume_start(None)
+    assert trainer.ckpt_path is None
     fake_checkpoint(tmp_path / "none_yet", name="last.ckpt", skip=("mp_rank_00_model_states.pt",))
     with pytest.warns(UserWarning, match="no complete checkpoint to resume from"):
-        assert trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, False) is None
+        connector.resume_start(str(tmp_path / "none_yet" / "last.ckpt"))
+    assert trainer.ckpt_path is None
 
 
 # ------------------------------------------------------------------------------------------- process tests
@@ -149,6 +170,11 @@ def test_restarts_resume_exactly(interrupted, tmp_path: Path) -> None:
     assert expected.keys() == got.keys()
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
+    # benchmarks/restart.py's figures of this run (its own --tiny run costs three more job start-ups)
+    figures = restart_benchmark.measure(out, reference)
+    assert (figures["failed_in_step"], figures["resumed_at_step"], figures["steps_lost"]) == (5, 4, 1)
+    assert 0 < figures["failure_to_processes_s"] < figures["failure_to_first_step_s"] < 300
+    assert figures["max_abs_diff"] <= 1e-6
 
 
 FAILING = """

@@ -51,30 +51,43 @@ def newest_complete(candidates: Iterable[str]) -> tuple[str | None, list[str]]:
     return (max(complete)[1] if complete else None), skipped
 
 
-def resolve_ckpt_path(trainer: Any, lightning_parse: Any, state_fn: Any, ckpt_path: Any, model_provided: bool,
-                      model_connected: bool) -> Any:
-    """``_CheckpointConnector._parse_ckpt_path`` for the strategy's Trainer (see the module's docstring)."""
+def resolve_ckpt_path(trainer: Any, checkpoint_path: Any) -> Any:
+    """The checkpoint this Trainer restores from, given the path Lightning made of the user's ``ckpt_path`` (see
+    the module's docstring): a restart's fit without one resumes from "last"; one of the "last" candidates that is
+    incomplete (Lightning's "last" takes the newest by time, complete or not) gives way to the newest complete one,
+    or to none. Any other path is Lightning's."""
     from lightning.pytorch.trainer.states import TrainerFn
     from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
     from lightning_gaudi_ds import _compat
 
+    fitting = trainer.state.fn == TrainerFn.FITTING
     restart = restart_count()
-    if ckpt_path is None and restart and state_fn == TrainerFn.FITTING:
+    candidates = _compat.last_checkpoint_candidates(trainer)
+    if checkpoint_path is None and restart and fitting:
         rank_zero_info(f"Restart {restart} of the job ({RESTART_ENV}={restart}): resuming from ckpt_path='last'.")
-        ckpt_path = "last"
-    if ckpt_path != "last":
-        return lightning_parse(state_fn, ckpt_path, model_provided, model_connected)
-    chosen, skipped = newest_complete(_compat.last_checkpoint_candidates(trainer))
+    elif checkpoint_path is None or str(checkpoint_path) not in candidates or _complete(Path(checkpoint_path)):
+        return checkpoint_path
+    chosen, skipped = newest_complete(candidates)
     for reason in skipped:
         rank_zero_warn(f'ckpt_path="last": skipping an incomplete checkpoint, {reason}')
     if chosen is None:
         if skipped:
             rank_zero_warn('ckpt_path="last": no complete checkpoint to resume from. No checkpoint will be loaded.')
             return None
-        return lightning_parse(state_fn, "last", model_provided, model_connected)  # Lightning's own message
+        return _compat.lightning_last_checkpoint(trainer, trainer.state.fn)  # None, with Lightning's own message
     rank_zero_info(f'ckpt_path="last": resuming from {chosen}')
     return chosen
+
+
+def _complete(path: Path) -> bool:
+    if not path.is_dir():
+        return path.exists()
+    try:
+        validate_checkpoint(path)
+    except (CheckpointError, OSError):
+        return False
+    return True
 
 
 def save_on_preemption(strategy: Any, trainer: Any) -> str | None:
@@ -112,14 +125,16 @@ def save_on_preemption(strategy: Any, trainer: Any) -> str | None:
 
 
 class PreemptionWatch:
-    """SIGTERM noted without collectives, and agreed on by every rank at the start of each training batch.
+    """SIGTERM noted without collectives, and agreed on in Lightning's own per-batch broadcast.
 
     Lightning's own SIGTERM handler broadcasts from inside the signal handler, on each rank that gets the signal: when
     the ranks get it at different moments (a scheduler signals every process, the launcher passes it on) those
     broadcasts pair with other collectives and the ranks hang until SIGKILL. This handler, installed for the fit
-    (Lightning puts the original handlers back in its teardown), only takes note; ``at_batch_start`` (one
-    one-element all-reduce per batch) sets Lightning's ``received_sigterm`` on every rank in the same batch once any
-    rank got it, so Lightning stops all of them after that step and the strategy saves.
+    (Lightning puts the original handlers back in its teardown), only takes note. Global rank 0's note becomes
+    Lightning's ``received_sigterm`` just before Lightning broadcasts that flag at the start of the next training
+    batch, so every rank stops there together and the strategy saves; no collective is added. A SIGTERM that reaches
+    other ranks only is noted and waits for rank 0's (schedulers signal every rank). With one process the handler
+    sets the flag at once, as Lightning's does.
     """
 
     def __init__(self) -> None:
@@ -129,6 +144,7 @@ class PreemptionWatch:
         import signal
         import threading
 
+        import torch
         from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 
         from lightning_gaudi_ds import _compat
@@ -137,29 +153,29 @@ class PreemptionWatch:
             return
         self.seen = False
         users = _compat.handler_before_lightning(trainer, signal.SIGTERM)  # Lightning calls it too
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            strategy.world_size > 1
+        zero = strategy.global_rank == 0
 
         def note(signum: int, frame: Any) -> None:
             if not self.seen:
                 import logging
 
-                logging.getLogger(__name__).info(rank_prefixed_message(
-                    f"Received SIGTERM: {signum}; saving a checkpoint after this step", strategy.local_rank))
+                when = "saving a checkpoint after this step" if zero else "stopping with global rank 0"
+                logging.getLogger(__name__).info(rank_prefixed_message(f"Received SIGTERM: {signum}; {when}",
+                                                                       strategy.local_rank))
                 launcher = strategy.launcher
                 if launcher is not None:  # Lightning's own launcher: its other ranks get it too, as Lightning does
                     launcher.kill(signum)
             self.seen = True
+            if not distributed:
+                _compat.note_sigterm(trainer)
             if users is not None:
                 users(signum, frame)
 
+        def before_broadcast() -> None:
+            if zero and self.seen:
+                _compat.note_sigterm(trainer)
+
+        _compat.hook_sigterm_broadcast(trainer, before_broadcast)
         signal.signal(signal.SIGTERM, note)
-
-    def at_batch_start(self, strategy: Any, trainer: Any) -> None:
-        import torch
-
-        from lightning_gaudi_ds import _compat
-
-        flag = torch.tensor([1.0 if self.seen else 0.0], device=strategy.root_device)
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and strategy.world_size > 1:
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        if flag.item() > 0:
-            _compat.note_sigterm(trainer)

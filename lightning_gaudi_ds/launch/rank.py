@@ -12,7 +12,6 @@ arguments from the JSON list in ``F`` (launches across hosts: no remote shell pa
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import os
@@ -133,6 +132,13 @@ def _watch_supervisor(path: Path, timeout: float, stop: Any) -> None:
         threading.Thread(target=target, daemon=True).start()
 
 
+def _own_group_dying_with_parent() -> None:
+    # preexec_fn (between fork and exec): signals reach the script through this shim only, once (torchrun signals
+    # the shim's process group), and the script dies with the shim. Python 3.10 has no Popen(process_group=).
+    os.setpgid(0, 0)
+    signal_when_parent_dies(signal.SIGKILL)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:
@@ -155,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(directory / f"rank{rank}.log", "ab") as log:
         child = subprocess.Popen(
             command, env=env, stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd,
-            preexec_fn=functools.partial(signal_when_parent_dies, signal.SIGKILL), close_fds=True,
+            preexec_fn=_own_group_dying_with_parent, close_fds=True,
         )
         os.close(write_fd)
         record: dict[str, Any] = {

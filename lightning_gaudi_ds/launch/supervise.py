@@ -179,8 +179,10 @@ class Supervisor:
         """End every process of the job: SIGTERM, then SIGKILL after ``stop_timeout`` s.
 
         The ranks go first; the launcher gets a moment to notice and exit by itself (mpirun can crash when
-        signalled while its ranks exit) before it is signalled too. After a clean exit, leftovers first get
-        ``stop_timeout`` s to finish on their own.
+        signalled while its ranks exit) before it is signalled too; when the supervisor itself was signalled (a
+        preemption: the ranks save, then exit) that moment is all of ``stop_timeout``, as a launcher passes the
+        signal on once more (torchrun to each rank's process group) and would end a rank exiting after its save.
+        After a clean exit, leftovers first get ``stop_timeout`` s to finish on their own.
         """
         if clean_exit:
             deadline = time.monotonic() + self.stop_timeout
@@ -191,7 +193,8 @@ class Supervisor:
         for p in procs:
             if p.pid != launcher.pid and not _under_shim(p):  # a rank shim passes the signal on to its script
                 _signal(p, signal.SIGTERM)
-        _, alive = psutil.wait_procs(procs, timeout=min(2.0, self.stop_timeout))
+        moment = self.stop_timeout if self._stop_signal is not None else min(2.0, self.stop_timeout)
+        _, alive = psutil.wait_procs(procs, timeout=moment)
         for p in alive:
             if p.pid == launcher.pid:
                 _signal(p, signal.SIGTERM)
@@ -310,9 +313,18 @@ def _under_shim(proc: psutil.Process) -> bool:
     """Whether ``proc`` is the script of a live rank shim, which forwards signals to it (once each)."""
     try:
         parent = proc.parent()
-        return parent is not None and SHIM in parent.cmdline()
+        return parent is not None and _is_shim(parent.cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
+
+
+def _is_shim(cmdline: Sequence[str]) -> bool:
+    """Whether this command line is a rank shim's (``python [-u ...] rank.py script ...``), not a launcher's that
+    names the shim as the script it starts (``torchrun ... rank.py``, ``mpirun -np 2 python rank.py``)."""
+    if SHIM not in cmdline:
+        return False
+    before = cmdline[1:cmdline.index(SHIM)]
+    return all(arg.startswith("-") and arg not in ("-m", "-c") for arg in before)
 
 
 def _alive(proc: psutil.Process | None) -> bool:

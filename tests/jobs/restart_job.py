@@ -8,9 +8,11 @@ checkpoint saved mid-epoch (its warning says so; a resumable loader, with ``stat
 
 ``--kill "attempt:step:rank:signal"`` (repeatable): on that start of the job (0: the first), when ``global_step``
 is ``step`` in ``training_step``, that rank (``all``: every rank) sends itself the signal (``KILL`` or ``TERM``).
+``--every K``: a checkpoint every K steps (default 2); ``--num_nodes 2``: one rank on each of two hosts.
 
-Each rank writes ``<out>/attempt<A>-rank<R>.json``: the global steps its ``training_step`` saw, the checkpoint it
-resumed from, and (rank 0 of a fit that completed) ``<out>/weights.pt``, the final fp32 weights.
+Each rank writes ``<out>/attempt<A>-rank<R>.json``: the global steps its ``training_step`` saw and when (``times``,
+``killed_at``: when it signalled itself; ``started``: when the process did), the checkpoint it resumed from, and
+(rank 0 of a fit that completed) ``<out>/weights.pt``, the final fp32 weights.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import psutil
 import torch
 from common import RegressionModel, start_process
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -38,6 +42,8 @@ class StepModel(RegressionModel):
         self.kills, self.out, self.seen, self.lrs, self.losses = kills, Path(out), [], [], []
         self.sums: list[float] = []
         self.batches: list[float] = []
+        self.times: list[float] = []
+        self.killed_at: float | None = None
         self.fixed: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
     def on_fit_start(self) -> None:
@@ -49,6 +55,7 @@ class StepModel(RegressionModel):
         step = self.trainer.global_step
         loss = self._loss(self.fixed)  # not the loader's batch: a mid-epoch resume re-reads the epoch (see above)
         self.seen.append(step)
+        self.times.append(time.time())
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
         self.losses.append(float(loss.detach()))
         self.batches.append(float(batch[0].double().sum()))  # what the loader gave (recorded, not trained on)
@@ -57,6 +64,8 @@ class StepModel(RegressionModel):
         for kill in self.kills:
             attempt, at, rank, sig = kill.split(":")
             if int(attempt) == ATTEMPT and int(at) == step and rank in ("all", str(self.global_rank)):
+                self.killed_at = time.time()
+                self._record()
                 os.kill(os.getpid(), getattr(signal, f"SIG{sig}"))
         return loss * (1.0 + 0.25 * (step % 3))
 
@@ -73,7 +82,9 @@ class StepModel(RegressionModel):
         path = self.out / f"attempt{ATTEMPT}-rank{self.global_rank}.json"
         loader = self.trainer.train_dataloader
         record = {"steps": self.seen, "lrs": self.lrs, "losses": self.losses, "sums": self.sums,
-                  "batches": self.batches, "sampler": repr(loader.sampler) if loader is not None else None,
+                  "batches": self.batches, "times": self.times, "killed_at": self.killed_at,
+                  "started": psutil.Process().create_time(),
+                  "sampler": repr(loader.sampler) if loader is not None else None,
                   "start_sum": self.start_sum, "resumed_from": self.trainer.ckpt_path and str(self.trainer.ckpt_path),
                   **extra}
         path.write_text(json.dumps(record))
@@ -86,6 +97,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--kill", action="append", default=[])
+    parser.add_argument("--every", type=int, default=2, help="ModelCheckpoint(every_n_train_steps=...)")
+    parser.add_argument("--num_nodes", type=int, default=1, help="2: one rank on each of two hosts")
     args = parser.parse_args()
     start_process()
     out = Path(args.out)
@@ -95,9 +108,11 @@ def main() -> None:
     data = TensorDataset(x.repeat(4, 1), y.repeat(4, 1))  # 2 ranks x 8: 2 steps per epoch, every batch the same
     model = StepModel(args.kill, str(out))
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=HPUDeepSpeedStrategy(stage=2), max_steps=args.steps, logger=False,
-        enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[ModelCheckpoint(dirpath=str(out / "ckpt"), every_n_train_steps=2, save_top_k=-1, save_last=True)],
+        accelerator="cpu", devices=2 // args.num_nodes, num_nodes=args.num_nodes,
+        strategy=HPUDeepSpeedStrategy(stage=2), max_steps=args.steps, logger=False, enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=str(out / "ckpt"), every_n_train_steps=args.every, save_top_k=-1,
+                                   save_last=True)],
     )
     trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False))
     model._record(done=True, global_step=trainer.global_step)
