@@ -63,10 +63,12 @@ def resolve_ckpt_path(trainer: Any, checkpoint_path: Any) -> Any:
 
     fitting = trainer.state.fn == TrainerFn.FITTING
     restart = restart_count()
+    if checkpoint_path is None and not (restart and fitting):
+        return None  # nothing to restore: no listing of the checkpoint directories
     candidates = _compat.last_checkpoint_candidates(trainer)
-    if checkpoint_path is None and restart and fitting:
+    if checkpoint_path is None:
         rank_zero_info(f"Restart {restart} of the job ({RESTART_ENV}={restart}): resuming from ckpt_path='last'.")
-    elif checkpoint_path is None or str(checkpoint_path) not in candidates or _complete(Path(checkpoint_path)):
+    elif str(checkpoint_path) not in candidates or _complete(Path(checkpoint_path)):
         return checkpoint_path
     chosen, skipped = newest_complete(candidates)
     for reason in skipped:
