@@ -10,6 +10,7 @@ started: unit tier.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -184,6 +185,19 @@ def test_op_cache_is_chosen_without_writing_os_environ(monkeypatch: pytest.Monke
     with op_cache() as root:
         assert root == tmp_path and os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path)
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path)
+
+
+def test_op_cache_runs_this_environments_ninja(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A venv's python run without activating it (PATH finds Debian's ninja first) must not rebuild the ops the
+    set-up built: another ninja version reads the build log as "command line changed" and compiles it all again."""
+    ninja = pytest.importorskip("ninja")
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", "/bin"]))  # as with `.venv/bin/python`, not activated
+    with op_cache():
+        assert shutil.which("ninja") == str(Path(ninja.BIN_DIR, "ninja"))  # what torch's load() runs
+    assert os.environ["PATH"] == os.pathsep.join(["/usr/bin", "/bin"])
+    monkeypatch.setenv("PATH", os.pathsep.join([ninja.BIN_DIR, "/usr/bin"]))  # activated: PATH left as it is
+    with op_cache():
+        assert os.environ["PATH"] == os.pathsep.join([ninja.BIN_DIR, "/usr/bin"])
 
 
 def test_check_mode_imports_the_stack_in_the_mode_without_leaving_the_variable(

@@ -59,15 +59,35 @@ def environment_cache_dir(prefix: str = sys.prefix, base_prefix: str = sys.base_
     return Path(prefix) / "torch_extensions" / _compat.extensions_tag()
 
 
+def environment_ninja_dir() -> str | None:
+    """The folder of this environment's own ninja (the ``ninja`` package), or None when it has none."""
+    try:
+        import ninja
+    except ImportError:
+        return None
+    return str(ninja.BIN_DIR) if Path(ninja.BIN_DIR, "ninja").is_file() else None
+
+
 @contextlib.contextmanager
 def op_cache() -> Iterator[Path]:
     """Around a DeepSpeed op build or load: the op goes to :func:`extensions_root`; ``os.environ`` is as it was after.
 
     DeepSpeed's ``OpBuilder.load()`` passes no ``build_directory`` to torch's ``load()``, which then reads
-    ``TORCH_EXTENSIONS_DIR``: it is set for this block only (unless the user set it).
+    ``TORCH_EXTENSIONS_DIR``: it is set for this block only (unless the user set it). Torch runs the first ``ninja``
+    on ``PATH``; this environment's own comes first for the block, so that the ninja that built an op is the one
+    that checks it later. Another version reads the build's log as "command line changed" and builds it all again
+    (ninja 1.13 hashes commands unlike 1.11: a venv's python run without activating it found Debian's ninja and
+    rebuilt cpu_adam, 40-90 s, on every switch).
     """
     root = extensions_root()
-    with scoped_environ({CACHE_ENV: str(root)}):
+    values = {CACHE_ENV: str(root)}
+    ninja_dir = environment_ninja_dir()
+    path = os.environ.get("PATH", "")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(scoped_environ(values))
+        if ninja_dir is not None and path.split(os.pathsep)[0] != ninja_dir:
+            stack.enter_context(scoped_environ({"PATH": os.pathsep.join(filter(None, [ninja_dir, path]))},
+                                               override=True))
         yield root
 
 
