@@ -22,7 +22,7 @@ from lightning.fabric.plugins.environments import (
 from typing_extensions import override
 
 from lightning_gaudi_ds._compat import DEEPSPEED_LAUNCHER_ENV, DEEPSPEED_NODE_RANK_ENV
-from lightning_gaudi_ds.launch._proc import MPI_SIZE_KEYS
+from lightning_gaudi_ds.launch._proc import MPI_SIZE_KEYS, NUM_NODES_ENV
 from lightning_gaudi_ds.launch.rendezvous import HOW_TO_START
 
 log = logging.getLogger(__name__)
@@ -169,6 +169,16 @@ def launcher_local_world_size() -> tuple[str, int] | None:
         if os.environ.get(key, "").isdigit():
             return key, int(os.environ[key])
     return None
+
+
+def launcher_num_nodes(env: ClusterEnvironment | None, num_nodes: int,
+                       environ: Mapping[str, str] = os.environ) -> int:
+    """The nodes this job runs on: ``LIGHTNING_GAUDI_DS_NUM_NODES`` when ``lightning-gaudi-ds spawn --min_nodes``
+    left hosts out of this restart (and a launcher started the processes), else ``num_nodes`` (the Trainer's)."""
+    value = environ.get(NUM_NODES_ENV, "")
+    if env is None or not env.creates_processes_externally or not value.isdigit() or int(value) < 1:
+        return num_nodes
+    return int(value)
 
 
 def check_launcher_world_size(env: ClusterEnvironment | None, devices: int, num_nodes: int) -> None:
