@@ -282,7 +282,7 @@ def test_min_nodes_restart_continues_on_one_host_after_a_lost_node(clean: Cluste
                 "--kill", "0:3:1:STOP")  # rank 1 freezes in step 3, so the test takes n1 down mid-step
     try:
         job.wait_for("step 3 rank 1", timeout=120)
-        crashed = time.time()
+        crashed, cut = time.time(), time.monotonic()
         clean.hosts[1].link(False)
         clean.kill_leftovers_on(1)
         [result] = finish(clean, job, timeout=150)
@@ -303,5 +303,6 @@ def test_min_nodes_restart_continues_on_one_host_after_a_lost_node(clean: Cluste
     assert again["done"] and again["global_step"] == 5
     restart_s = again["times"][0] - crashed
     TIMINGS["min_nodes restart"] = restart_s
-    print(f"\nlost node with --min_nodes 1: first step on n0 alone {restart_s:.1f} s after n1 went down; job"
-          f" {result.seconds:.1f} s")
+    seen, restarted = (job.wait_for(text, timeout=1) - cut for text in ("the job failed: host n1", "restart 1 of 1"))
+    print(f"\nlost node with --min_nodes 1: after n1 went down, the loss seen {seen:.1f} s, the restart started"
+          f" {restarted:.1f} s, its first step on n0 alone {restart_s:.1f} s; job {result.seconds:.1f} s")
