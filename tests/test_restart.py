@@ -152,10 +152,13 @@ def test_the_strategy_takes_the_runners_node_count_under_a_launcher() -> None:
     class Launched(TorchElasticEnvironment):
         pass
 
+    class Spawning(LightningEnvironment):  # Lightning's own launcher starts the processes
+        creates_processes_externally = False  # type: ignore[assignment]
+
     assert launcher_num_nodes(Launched(), 2, {NUM_NODES_ENV: "1"}) == 1
     assert launcher_num_nodes(Launched(), 2, {}) == 2  # no hosts left out: the Trainer's
     assert launcher_num_nodes(Launched(), 2, {NUM_NODES_ENV: "0"}) == 2
-    assert launcher_num_nodes(LightningEnvironment(), 2, {NUM_NODES_ENV: "1"}) == 2  # no launcher: not the runner's
+    assert launcher_num_nodes(Spawning(), 2, {NUM_NODES_ENV: "1"}) == 2  # no launcher: not the runner's
     assert launcher_num_nodes(None, 2, {NUM_NODES_ENV: "1"}) == 2
 
 
