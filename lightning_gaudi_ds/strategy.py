@@ -464,7 +464,7 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         # `_configure_launcher`: adopt DeepSpeed's launcher (Lightning takes it for a single-node launch) and
         # refuse a launcher whose process count disagrees with devices x num_nodes, before anything starts.
         self.cluster_environment = resolve_environment(self.cluster_environment)
-        nodes = launcher_num_nodes(self.cluster_environment, self.num_nodes)
+        nodes = launcher_num_nodes(self.num_nodes)
         if nodes != self.num_nodes:  # a restart on fewer hosts (spawn --min_nodes): the launcher's count wins
             rank_zero_info(f"{NUM_NODES_ENV}={nodes}: this restart runs on {nodes} node(s), not"
                            f" Trainer(num_nodes={self.num_nodes}); hosts were left out (spawn --min_nodes).")

@@ -143,23 +143,30 @@ def test_a_restart_on_fewer_hosts_tells_the_ranks_how_many_nodes(tmp_path: Path,
         assert f"{NUM_NODES_ENV}=2" in plan.deepspeed_env_text(env)
 
 
-def test_the_strategy_takes_the_runners_node_count_under_a_launcher() -> None:
-    from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
-
+def test_the_strategy_takes_the_runners_node_count() -> None:
     from lightning_gaudi_ds.launch._proc import NUM_NODES_ENV
     from lightning_gaudi_ds.launch.environments import launcher_num_nodes
 
-    class Launched(TorchElasticEnvironment):
-        pass
+    assert launcher_num_nodes(2, {NUM_NODES_ENV: "1"}) == 1
+    assert launcher_num_nodes(2, {}) == 2  # no hosts left out: the Trainer's
+    assert launcher_num_nodes(2, {NUM_NODES_ENV: "0"}) == 2 and launcher_num_nodes(2, {NUM_NODES_ENV: "x"}) == 2
 
-    class Spawning(LightningEnvironment):  # Lightning's own launcher starts the processes
-        creates_processes_externally = False  # type: ignore[assignment]
 
-    assert launcher_num_nodes(Launched(), 2, {NUM_NODES_ENV: "1"}) == 1
-    assert launcher_num_nodes(Launched(), 2, {}) == 2  # no hosts left out: the Trainer's
-    assert launcher_num_nodes(Launched(), 2, {NUM_NODES_ENV: "0"}) == 2
-    assert launcher_num_nodes(Spawning(), 2, {NUM_NODES_ENV: "1"}) == 2  # no launcher: not the runner's
-    assert launcher_num_nodes(None, 2, {NUM_NODES_ENV: "1"}) == 2
+def test_a_trainer_for_two_nodes_runs_on_the_one_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What mpirun's one remaining rank looks like to Lightning (no MPI seen in a world of 1, no LOCAL_RANK): the
+    strategy still takes the runner's count, so Lightning's launcher would not start a second process."""
+    import lightning as L
+
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+    from lightning_gaudi_ds.launch._proc import NUM_NODES_ENV
+
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv(NUM_NODES_ENV, "1")
+    trainer = L.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=HPUDeepSpeedStrategy(stage=2),
+                        logger=False, enable_progress_bar=False)
+    assert (trainer.num_nodes, trainer.world_size) == (1, 1)
+    assert trainer.strategy.distributed_sampler_kwargs["num_replicas"] == 1
 
 
 def test_probe_names_the_hosts_that_do_not_answer(tmp_path: Path) -> None:

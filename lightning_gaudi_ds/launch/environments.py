@@ -171,14 +171,14 @@ def launcher_local_world_size() -> tuple[str, int] | None:
     return None
 
 
-def launcher_num_nodes(env: ClusterEnvironment | None, num_nodes: int,
-                       environ: Mapping[str, str] = os.environ) -> int:
+def launcher_num_nodes(num_nodes: int, environ: Mapping[str, str] = os.environ) -> int:
     """The nodes this job runs on: ``LIGHTNING_GAUDI_DS_NUM_NODES`` when ``lightning-gaudi-ds spawn --min_nodes``
-    left hosts out of this restart (and a launcher started the processes), else ``num_nodes`` (the Trainer's)."""
+    left hosts out of this restart (only the runner sets it, for its ranks), else ``num_nodes`` (the Trainer's).
+
+    Read whatever the cluster environment: under mpirun with one rank left, Lightning sees no MPI (a world of 1)
+    and takes the process for its own launcher's, which would start ``devices x num_nodes`` processes."""
     value = environ.get(NUM_NODES_ENV, "")
-    if env is None or not env.creates_processes_externally or not value.isdigit() or int(value) < 1:
-        return num_nodes
-    return int(value)
+    return int(value) if value.isdigit() and int(value) >= 1 else num_nodes
 
 
 def check_launcher_world_size(env: ClusterEnvironment | None, devices: int, num_nodes: int) -> None:
