@@ -169,6 +169,43 @@ def test_a_trainer_for_two_nodes_runs_on_the_one_left(monkeypatch: pytest.Monkey
     assert trainer.strategy.distributed_sampler_kwargs["num_replicas"] == 1
 
 
+@pytest.mark.parametrize("min_nodes", [1, 2])
+def test_a_restart_leaves_out_what_the_probe_lost_or_does_not_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture, min_nodes: int
+                                                                    ) -> None:
+    """The restart loop with the probe and the job replaced (no process): b is lost; with min_nodes=1 the restart
+    runs on a alone from a hostfile of its own, removed after; with min_nodes=2 it is not started."""
+    from types import SimpleNamespace
+
+    from lightning_gaudi_ds.launch import runner as runner_module
+    from lightning_gaudi_ds.launch.supervise import Failure
+
+    monkeypatch.setattr(runner_module, "probe_hosts", lambda hosts, launcher, timeout: {"b": "unreachable: ssh 255"})
+    runner = DistributedRunner(["t.py"], hostfile=_hostfile(tmp_path, "a", "b"), use_deepspeed=True, max_restarts=1,
+                               min_nodes=min_nodes)
+    starts: list[plan.LaunchSpec] = []
+
+    def run_one(user: list[str], index: int, attempt: int = 0) -> tuple[int, object]:
+        starts.append(runner._attempt)
+        assert runner._attempt.hostfile is not None and runner._attempt.hostfile.is_file()
+        failure = Failure(None, 255, "host b (ranks 2-3) unreachable", None, ("b",)) if not attempt else None
+        return (255 if not attempt else 0), SimpleNamespace(failure=failure, ended_at=0.0, signalled=False)
+
+    monkeypatch.setattr(runner, "_run_one", run_one)
+    code = runner.run()
+    err = capsys.readouterr().err
+    if min_nodes == 2:
+        assert code == 255 and len(starts) == 1
+        assert "restart 1 of 1: not started: 1 of 2 host(s) answer (b: unreachable: ssh 255), fewer than" \
+               " min_nodes=2." in err and "attempt 1: the job failed: host b (ranks 2-3) unreachable" in err
+        return
+    assert code == 0 and [s.world_size for s in starts] == [4, 2] and starts[1].left_out == ("b",)
+    assert [h.name for h in starts[1].hosts or ()] == ["a"] and starts[1].master_addr == "a"
+    assert not starts[1].hostfile.exists() and runner._attempt is runner.spec  # type: ignore[union-attr]
+    assert "restart 1: leaving out host b (2 rank(s)): its ranks were the ones lost; unreachable: ssh 255." in err
+    assert "restart 1: 1 of 2 hosts remain (min_nodes=1): a; world size 4 -> 2, num_nodes 2 -> 1" in err
+
+
 def test_probe_names_the_hosts_that_do_not_answer(tmp_path: Path) -> None:
     """With a stand-in ``ssh`` on PATH (the only process this starts): the launcher's ssh options and the time-out
     reach it, and a non-zero exit is an unreachable host, with ssh's last line."""
