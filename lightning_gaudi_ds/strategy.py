@@ -33,7 +33,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT, LRSchedulerConfig
 from torch import Tensor
 from torch.distributed import ReduceOp
@@ -67,7 +67,12 @@ from lightning_gaudi_ds.engine import checkpointing, inference, process, train
 from lightning_gaudi_ds.engine.device import hccl_reduce
 from lightning_gaudi_ds.engine.step import step, third_party_deprecations_silenced
 from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV
-from lightning_gaudi_ds.launch.environments import check_launcher_world_size, resolve_environment
+from lightning_gaudi_ds.launch._proc import NUM_NODES_ENV
+from lightning_gaudi_ds.launch.environments import (
+    check_launcher_world_size,
+    launcher_num_nodes,
+    resolve_environment,
+)
 from lightning_gaudi_ds.planning.auto import AUTO
 
 if TYPE_CHECKING:
@@ -459,6 +464,11 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         # `_configure_launcher`: adopt DeepSpeed's launcher (Lightning takes it for a single-node launch) and
         # refuse a launcher whose process count disagrees with devices x num_nodes, before anything starts.
         self.cluster_environment = resolve_environment(self.cluster_environment)
+        nodes = launcher_num_nodes(self.num_nodes)
+        if nodes != self.num_nodes:  # a restart on fewer hosts (spawn --min_nodes): the launcher's count wins
+            rank_zero_info(f"{NUM_NODES_ENV}={nodes}: this restart runs on {nodes} node(s), not"
+                           f" Trainer(num_nodes={self.num_nodes}); hosts were left out (spawn --min_nodes).")
+            self._num_nodes = nodes
         if self.parallel_devices is not None:
             check_launcher_world_size(self.cluster_environment, self.num_processes, self.num_nodes)
         super().set_world_ranks()

@@ -68,6 +68,163 @@ def test_the_supervisor_tells_a_shim_from_a_launcher_that_starts_one() -> None:
     assert not _is_shim(["/py", "-u", "train.py"])
 
 
+# ----------------------------------------------------------------------------------------------- min_nodes
+def _hostfile(tmp_path: Path, *names: str, slots: int = 2) -> Path:
+    path = tmp_path / "hostfile"
+    path.write_text("".join(f"{name} slots={slots}\n" for name in names))
+    return path
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"min_nodes": 0}, r"min_nodes=0: pass the fewest hosts .* whole number >= 1"),
+    ({"min_nodes": True}, r"min_nodes=True: pass the fewest hosts"),
+    ({"min_nodes": 4}, r"min_nodes=4, but hostfile .* lists 3 host\(s\); pass 1..3"),
+    ({"min_nodes": 2, "max_restarts": 0}, r"min_nodes=2 applies when the job restarts, but max_restarts=0; pass"
+                                          r" max_restarts >= 1"),
+    ({"min_nodes": 1, "use_deepspeed": False, "node_rank": 0}, r"min_nodes=1 with node_rank=0: a runner started"
+                                                                r" per node cannot leave other nodes out"),
+    ({"min_nodes": 1, "hostfile": None, "world_size": 2}, r"min_nodes=1 needs a hostfile"),
+])
+def test_min_nodes_is_checked_before_anything_starts(tmp_path: Path, kwargs: dict, message: str) -> None:
+    args = {"hostfile": _hostfile(tmp_path, "a", "b", "c"), "use_deepspeed": True, "max_restarts": 1, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        DistributedRunner(["t.py"], **args)
+
+
+def test_min_nodes_up_to_every_host_is_accepted(tmp_path: Path) -> None:
+    hostfile = _hostfile(tmp_path, "a", "b", "c")
+    for value in (1, 3):
+        runner = DistributedRunner(["t.py"], hostfile=hostfile, use_mpi=True, max_restarts=2, min_nodes=value)
+        assert runner.min_nodes == value and runner.world_size == 6
+
+
+def test_cli_refuses_min_nodes_without_restarts_before_starting(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    hostfile = str(_hostfile(tmp_path, "a", "b"))
+    assert main(["spawn", "--hostfile", hostfile, "--use_mpi", "--min_nodes", "1", "no_such_script.py"]) == 2
+    err = capsys.readouterr().err
+    assert "min_nodes=1 applies when the job restarts, but max_restarts=0" in err and "no_such_script" not in err
+
+
+def test_select_hosts_leaves_out_the_unreachable_while_min_nodes_remain() -> None:
+    from lightning_gaudi_ds.launch.hostfile import Host
+
+    hosts = [Host("a", 2, 1), Host("b", 2, 2), Host("c", 2, 3)]
+    choice = plan.select_hosts(hosts, {"b": "unreachable: ssh exited with 255"}, min_nodes=2)
+    assert choice is not None and [h.name for h in choice.kept] == ["a", "c"] and choice.world_size == 4
+    assert choice.left_out == ((hosts[1], "unreachable: ssh exited with 255"),)
+    everyone = plan.select_hosts(hosts, {}, min_nodes=3)
+    assert everyone is not None and everyone.kept == tuple(hosts) and not everyone.left_out
+    assert plan.select_hosts(hosts, {"a": "x", "b": "y"}, min_nodes=2) is None  # one host left, two needed
+    assert plan.select_hosts(hosts, {"a": "x", "b": "y"}, min_nodes=1).kept == (hosts[2],)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("use_mpi", [False, True], ids=["pdsh", "mpirun"])
+def test_a_restart_on_fewer_hosts_tells_the_ranks_how_many_nodes(tmp_path: Path, use_mpi: bool) -> None:
+    from lightning_gaudi_ds.launch._proc import NUM_NODES_ENV
+
+    spec = plan.resolve(hostfile=_hostfile(tmp_path, "a", "b", "c"), use_mpi=use_mpi, use_deepspeed=not use_mpi)
+    assert spec.master_addr == "a" and spec.world_size == 6
+    choice = plan.select_hosts(spec.hosts or (), {"a": "unreachable"}, min_nodes=1)
+    assert choice is not None
+    smaller = tmp_path / "smaller"
+    smaller.write_text(plan.hostfile_text(choice.kept))
+    shrunk = plan.shrink(spec, choice, smaller)
+    assert (shrunk.world_size, shrunk.master_addr, shrunk.left_out, shrunk.hostfile) == (4, "b", ("a",), smaller)
+    assert [(h.name, h.slots) for h in plan.parse_hostfile(smaller)] == [("b", 2), ("c", 2)]
+    machine = plan.Machine(python="/py", mpirun="/opt/mpirun", as_root=False, cpus=1)
+    env = plan.launch_env(shrunk, {NUM_NODES_ENV: "9"}, tmp_path, "t", 1, machine)
+    assert env[NUM_NODES_ENV] == "2" and env["MASTER_ADDR"] == "b"
+    assert NUM_NODES_ENV not in plan.launch_env(spec, {NUM_NODES_ENV: "9"}, tmp_path, "t", 1, machine)  # no stale one
+    argv = plan.launch_argv(shrunk, ["t.py"], 1, machine)
+    assert str(smaller) in argv
+    if use_mpi:
+        assert NUM_NODES_ENV in argv and "-np" in argv and argv[argv.index("-np") + 1] == "4"
+    else:
+        assert f"{NUM_NODES_ENV}=2" in plan.deepspeed_env_text(env)
+
+
+def test_the_strategy_takes_the_runners_node_count() -> None:
+    from lightning_gaudi_ds.launch._proc import NUM_NODES_ENV
+    from lightning_gaudi_ds.launch.environments import launcher_num_nodes
+
+    assert launcher_num_nodes(2, {NUM_NODES_ENV: "1"}) == 1
+    assert launcher_num_nodes(2, {}) == 2  # no hosts left out: the Trainer's
+    assert launcher_num_nodes(2, {NUM_NODES_ENV: "0"}) == 2 and launcher_num_nodes(2, {NUM_NODES_ENV: "x"}) == 2
+
+
+def test_a_trainer_for_two_nodes_runs_on_the_one_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What mpirun's one remaining rank looks like to Lightning (no MPI seen in a world of 1, no LOCAL_RANK): the
+    strategy still takes the runner's count, so Lightning's launcher would not start a second process."""
+    import lightning as L
+
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+    from lightning_gaudi_ds.launch._proc import NUM_NODES_ENV
+
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv(NUM_NODES_ENV, "1")
+    trainer = L.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=HPUDeepSpeedStrategy(stage=2),
+                        logger=False, enable_progress_bar=False)
+    assert (trainer.num_nodes, trainer.world_size) == (1, 1)
+    assert trainer.strategy.distributed_sampler_kwargs["num_replicas"] == 1
+
+
+@pytest.mark.parametrize("min_nodes", [1, 2])
+def test_a_restart_leaves_out_what_the_probe_lost_or_does_not_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture, min_nodes: int
+                                                                    ) -> None:
+    """The restart loop with the probe and the job replaced (no process): b is lost; with min_nodes=1 the restart
+    runs on a alone from a hostfile of its own, removed after; with min_nodes=2 it is not started."""
+    from types import SimpleNamespace
+
+    from lightning_gaudi_ds.launch import runner as runner_module
+    from lightning_gaudi_ds.launch.supervise import Failure
+
+    monkeypatch.setattr(runner_module, "probe_hosts", lambda hosts, launcher, timeout: {"b": "unreachable: ssh 255"})
+    runner = DistributedRunner(["t.py"], hostfile=_hostfile(tmp_path, "a", "b"), use_deepspeed=True, max_restarts=1,
+                               min_nodes=min_nodes)
+    starts: list[plan.LaunchSpec] = []
+
+    def run_one(user: list[str], index: int, attempt: int = 0) -> tuple[int, object]:
+        starts.append(runner._attempt)
+        assert runner._attempt.hostfile is not None and runner._attempt.hostfile.is_file()
+        failure = Failure(None, 255, "host b (ranks 2-3) unreachable", None, ("b",)) if not attempt else None
+        return (255 if not attempt else 0), SimpleNamespace(failure=failure, ended_at=0.0, signalled=False)
+
+    monkeypatch.setattr(runner, "_run_one", run_one)
+    code = runner.run()
+    err = capsys.readouterr().err
+    if min_nodes == 2:
+        assert code == 255 and len(starts) == 1
+        assert "restart 1 of 1: not started: 1 of 2 host(s) answer (b: unreachable: ssh 255), fewer than" \
+               " min_nodes=2." in err and "attempt 1: the job failed: host b (ranks 2-3) unreachable" in err
+        return
+    assert code == 0 and [s.world_size for s in starts] == [4, 2] and starts[1].left_out == ("b",)
+    assert [h.name for h in starts[1].hosts or ()] == ["a"] and starts[1].master_addr == "a"
+    assert not starts[1].hostfile.exists() and runner._attempt is runner.spec  # type: ignore[union-attr]
+    assert "restart 1: leaving out host b (2 rank(s)): its ranks were the ones lost; unreachable: ssh 255." in err
+    assert "restart 1: 1 of 2 hosts remain (min_nodes=1): a; world size 4 -> 2, num_nodes 2 -> 1" in err
+
+
+def test_probe_names_the_hosts_that_do_not_answer(tmp_path: Path) -> None:
+    """With a stand-in ``ssh`` on PATH (the only process this starts): the launcher's ssh options and the time-out
+    reach it, and a non-zero exit is an unreachable host, with ssh's last line."""
+    from lightning_gaudi_ds.launch.hostfile import Host
+    from lightning_gaudi_ds.launch.runner import probe_hosts
+
+    ssh = tmp_path / "ssh"
+    ssh.write_text('#!/bin/sh\necho "$@" >> "$(dirname "$0")/calls"\n'
+                   'case "$*" in *down*) echo "ssh: connect to host down: No route to host" >&2; exit 255;; esac\n')
+    ssh.chmod(0o755)
+    env = {"PATH": str(tmp_path), "PDSH_SSH_ARGS_APPEND": "-o ServerAliveInterval=2"}
+    hosts = [Host("localhost", 1, 1), Host("up", 1, 2), Host("down", 1, 3)]
+    assert probe_hosts(hosts, "deepspeed", 7, env) == {
+        "down": "unreachable: ssh exited with 255 (ssh: connect to host down: No route to host)"}
+    calls = sorted((tmp_path / "calls").read_text().splitlines())
+    assert calls == [f"-o ServerAliveInterval=2 -o BatchMode=yes -o ConnectTimeout=7 {name} true"
+                     for name in ("down", "up")]  # this host is not probed
+
+
 # --------------------------------------------------------------------------------------- ckpt_path="last"
 def _trainer(dirpath: Path):
     import lightning as L

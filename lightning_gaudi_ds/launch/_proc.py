@@ -25,6 +25,9 @@ LINK_TIMEOUT_ENV = "LIGHTNING_GAUDI_DS_LINK_TIMEOUT"
 # Set by the runner for every rank: which start of the job this is (0: the first; N: the N-th restart). The strategy
 # resumes from ``ckpt_path="last"`` when it is above 0 and the script passes no ckpt_path.
 RESTART_ENV = "LIGHTNING_GAUDI_DS_RESTART"
+# Set by the runner only on a start that left hosts out (``min_nodes``): the number of nodes it runs on, which the
+# strategy takes over ``Trainer(num_nodes=...)``.
+NUM_NODES_ENV = "LIGHTNING_GAUDI_DS_NUM_NODES"
 # A rank's exit code after SIGTERM (preemption) once it saved a checkpoint at a step boundary: sysexits.h's
 # EX_TEMPFAIL ("a temporary failure; try again"), apart from failures and from 143 (killed by SIGTERM unsaved).
 PREEMPTED_EXIT = 75

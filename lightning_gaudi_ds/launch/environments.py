@@ -22,7 +22,7 @@ from lightning.fabric.plugins.environments import (
 from typing_extensions import override
 
 from lightning_gaudi_ds._compat import DEEPSPEED_LAUNCHER_ENV, DEEPSPEED_NODE_RANK_ENV
-from lightning_gaudi_ds.launch._proc import MPI_SIZE_KEYS
+from lightning_gaudi_ds.launch._proc import MPI_SIZE_KEYS, NUM_NODES_ENV
 from lightning_gaudi_ds.launch.rendezvous import HOW_TO_START
 
 log = logging.getLogger(__name__)
@@ -169,6 +169,16 @@ def launcher_local_world_size() -> tuple[str, int] | None:
         if os.environ.get(key, "").isdigit():
             return key, int(os.environ[key])
     return None
+
+
+def launcher_num_nodes(num_nodes: int, environ: Mapping[str, str] = os.environ) -> int:
+    """The nodes this job runs on: ``LIGHTNING_GAUDI_DS_NUM_NODES`` when ``lightning-gaudi-ds spawn --min_nodes``
+    left hosts out of this restart (only the runner sets it, for its ranks), else ``num_nodes`` (the Trainer's).
+
+    Read whatever the cluster environment: under mpirun with one rank left, Lightning sees no MPI (a world of 1)
+    and takes the process for its own launcher's, which would start ``devices x num_nodes`` processes."""
+    value = environ.get(NUM_NODES_ENV, "")
+    return int(value) if value.isdigit() and int(value) >= 1 else num_nodes
 
 
 def check_launcher_world_size(env: ClusterEnvironment | None, devices: int, num_nodes: int) -> None:

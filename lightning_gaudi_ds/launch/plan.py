@@ -16,13 +16,14 @@ import shlex
 import shutil
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lightning_gaudi_ds import hpu
 from lightning_gaudi_ds.launch._proc import (
     ARGS_FILE_FLAG,
     LINK_TIMEOUT_ENV,
+    NUM_NODES_ENV,
     RESTART_ENV,
     RUN_DIR_ENV,
     STOP_TIMEOUT_ENV,
@@ -93,6 +94,7 @@ class LaunchSpec:
     hpu_mode: hpu.Mode | None = None
     link_timeout: float = 60.0
     rendezvous_timeout: float | None = None  # LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT, given to every rank
+    left_out: tuple[str, ...] = ()  # hosts of the hostfile this start leaves out (min_nodes): see :func:`shrink`
 
     @property
     def across_hosts(self) -> bool:
@@ -261,6 +263,8 @@ def launch_argv(spec: LaunchSpec, user: Sequence[str], port: int, machine: Machi
         exports = list(_MPI_EXPORTS)
         if spec.rendezvous_timeout is not None:
             exports.append(RENDEZVOUS_TIMEOUT_ENV)
+        if spec.left_out:
+            exports.append(NUM_NODES_ENV)
         if spec.across_hosts:
             exports.append(LINK_TIMEOUT_ENV)
         if _gaudi(spec, machine):
@@ -317,6 +321,9 @@ def launch_env(spec: LaunchSpec, base: Mapping[str, str], run_dir: Path, token: 
     env.setdefault("PYTHONPATH", "")
     if spec.rendezvous_timeout is not None:
         env[RENDEZVOUS_TIMEOUT_ENV] = f"{spec.rendezvous_timeout:g}"
+    env.pop(NUM_NODES_ENV, None)  # only a start that left hosts out says how many nodes it has
+    if spec.left_out and spec.hosts is not None:
+        env[NUM_NODES_ENV] = str(len(spec.hosts))
     if spec.across_hosts:
         interval = max(1, math.ceil(spec.link_timeout / _KEEPALIVE_PROBES))
         keepalive = f"-o ServerAliveInterval={interval} -o ServerAliveCountMax={_KEEPALIVE_PROBES}"
@@ -348,7 +355,7 @@ def _gaudi(spec: LaunchSpec, machine: Machine) -> bool:
 
 # What every rank of a pdsh launch must see besides the PYTHON* variables DeepSpeed forwards by itself.
 _DEEPSPEED_EXPORTS = (RUN_DIR_ENV, RUN_ID_ENV, STOP_TIMEOUT_ENV, RESTART_ENV, RENDEZVOUS_TIMEOUT_ENV, LINK_TIMEOUT_ENV,
-                      "OMPI_MCA_ess_singleton_isolated", "PATH")
+                      NUM_NODES_ENV, "OMPI_MCA_ess_singleton_isolated", "PATH")
 # DeepSpeed writes each line as `export KEY="value";` into the remote shell's command (0.16 always quotes, 0.19 when
 # the value has other characters than these): inside double quotes these characters would still be interpreted.
 _SHELL_ACTIVE = re.compile(r'["$`\\\n\r]')
@@ -366,3 +373,59 @@ def deepspeed_env_text(env: Mapping[str, str], user_lines: str = "") -> str:
                              " launch with use_mpi=True or per node (node_rank).")
     ours = "".join(f"{key}={env[key]}\n" for key in names)
     return (user_lines if not user_lines or user_lines.endswith("\n") else user_lines + "\n") + ours
+
+
+# ------------------------------------------------------------------------ min_nodes: fewer hosts on a restart
+def check_min_nodes(min_nodes: object, spec: LaunchSpec, max_restarts: int) -> None:
+    """Refuse a ``min_nodes`` that cannot apply to ``spec`` (``ValueError`` naming the value and the fix)."""
+    if min_nodes is None:
+        return
+    if isinstance(min_nodes, bool) or not isinstance(min_nodes, int) or min_nodes < 1:
+        raise ValueError(f"min_nodes={min_nodes!r}: pass the fewest hosts a restart may run on, a whole number >= 1,"
+                         " or None to restart on every host of the hostfile.")
+    if spec.hosts is None:
+        raise ValueError(f"min_nodes={min_nodes} needs a hostfile: it says how many of its hosts a restart may run"
+                         " on. Pass hostfile= (CLI: --hostfile), or drop min_nodes.")
+    if spec.node_rank is not None or spec.launcher not in ("deepspeed", "mpirun"):
+        raise ValueError(f"min_nodes={min_nodes} with node_rank={spec.node_rank}: a runner started per node cannot"
+                         " leave other nodes out. Launch every node from here (use_deepspeed=True or use_mpi=True,"
+                         " no node_rank), or drop min_nodes.")
+    if min_nodes > len(spec.hosts):
+        raise ValueError(f"min_nodes={min_nodes}, but hostfile {spec.hostfile} lists {len(spec.hosts)} host(s);"
+                         f" pass 1..{len(spec.hosts)}.")
+    if max_restarts < 1:
+        raise ValueError(f"min_nodes={min_nodes} applies when the job restarts, but max_restarts={max_restarts};"
+                         " pass max_restarts >= 1 (CLI: --max_restarts N), or drop min_nodes.")
+
+
+@dataclass(frozen=True)
+class HostChoice:
+    """The hosts a restart runs on (hostfile order) and those it leaves out, each with why."""
+
+    kept: tuple[Host, ...]
+    left_out: tuple[tuple[Host, str], ...]
+
+    @property
+    def world_size(self) -> int:
+        return sum(h.slots for h in self.kept)
+
+
+def select_hosts(hosts: Sequence[Host], unreachable: Mapping[str, str], min_nodes: int) -> HostChoice | None:
+    """The hosts of ``hosts`` not in ``unreachable`` (host name -> why), or None when fewer than ``min_nodes``."""
+    kept = tuple(h for h in hosts if h.name not in unreachable)
+    if len(kept) < min_nodes:
+        return None
+    return HostChoice(kept, tuple((h, unreachable[h.name]) for h in hosts if h.name in unreachable))
+
+
+def shrink(spec: LaunchSpec, choice: HostChoice, hostfile: Path) -> LaunchSpec:
+    """``spec`` on ``choice.kept`` only, whose hostfile the caller writes to ``hostfile`` (:func:`hostfile_text`).
+    The rendezvous moves to the first kept host when its address was a host left out."""
+    gone = {h.name for h, _ in choice.left_out}
+    address = choice.kept[0].name if spec.master_addr in gone else spec.master_addr
+    return replace(spec, world_size=choice.world_size, master_addr=address, hostfile=hostfile, hosts=choice.kept,
+                   left_out=tuple(sorted(gone)))
+
+
+def hostfile_text(hosts: Sequence[Host]) -> str:
+    return "".join(f"{h.name} slots={h.slots}\n" for h in hosts)

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import shutil
+import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lightning_gaudi_ds.launch import plan
@@ -61,6 +64,11 @@ class DistributedRunner:
             ``timeout`` or a signal to this runner). Every rank of a restart sees ``LIGHTNING_GAUDI_DS_RESTART=<n>``
             and :class:`~lightning_gaudi_ds.HPUDeepSpeedStrategy` then resumes a ``trainer.fit`` without
             ``ckpt_path`` from ``ckpt_path="last"``.
+        min_nodes: with a hostfile (pdsh or mpirun from here) and ``max_restarts``: before each restart every
+            other host is probed over ssh (``link_timeout`` s); those that do not answer are left out if at least
+            ``min_nodes`` hosts remain, else the job ends. The restart then runs on fewer ranks (the checkpoint is
+            resharded on load) and its ranks see ``LIGHTNING_GAUDI_DS_NUM_NODES``, which the strategy takes over
+            ``Trainer(num_nodes=...)``. Default None: every restart runs on every host.
         hpu_mode: on Gaudi, the execution mode every rank imports ``habana_frameworks`` in: ``"eager"``
             (torch.compile, Habana's default) or ``"lazy"``; default ``PT_HPU_LAZY_MODE`` (unset: eager). Exported
             to every rank (``-x`` for mpirun, DeepSpeed's env file for its multi-node launch).
@@ -83,6 +91,7 @@ class DistributedRunner:
         hpu_mode: str | None = None,
         link_timeout: float = 60.0,
         max_restarts: int = 0,
+        min_nodes: int | None = None,
     ) -> None:
         self.command_list = [command_list] if isinstance(command_list, str) else list(command_list)
         if not self.command_list:
@@ -101,6 +110,9 @@ class DistributedRunner:
         self.spec = plan.resolve(world_size, hostfile, use_mpi, use_deepspeed, master_port, master_addr, node_rank,
                                  stop_timeout, hpu_mode, link_timeout,  # type: ignore[arg-type]  # resolve checks it
                                  rdzv)
+        plan.check_min_nodes(min_nodes, self.spec, max_restarts)
+        self.min_nodes = min_nodes
+        self._attempt = self.spec  # what the start under way runs on: the spec, or fewer hosts of it (min_nodes)
         self.use_mpi, self.use_deepspeed = use_mpi, use_deepspeed
         self.log_dir = Path(log_dir) if log_dir is not None else None
         if self.log_dir is not None:
@@ -146,10 +158,11 @@ class DistributedRunner:
                       args_file: Path | None = None) -> list[str]:
         """The argv that launches ``command`` on every rank (no shell involved on this host)."""
         user = plan.split_command(command) if isinstance(command, str) else list(command)
-        return plan.launch_argv(self.spec, user, master_port or self.master_port, plan.Machine.this(), args_file)
+        return plan.launch_argv(self._attempt, user, master_port or self.master_port, plan.Machine.this(),
+                                args_file)
 
     def _environment(self, run_dir: Path, token: str, port: int, restart: int = 0) -> dict[str, str]:
-        env = plan.launch_env(self.spec, os.environ, run_dir, token, port, plan.Machine.this(), restart)
+        env = plan.launch_env(self._attempt, os.environ, run_dir, token, port, plan.Machine.this(), restart)
         if env.get(plan.DEEPSPEED_ENV_FILE) == str(run_dir / plan.DEEPSPEED_ENV_NAME):
             # Our file replaces the name DeepSpeed reads in ~ and in the working directory: keep the user's lines.
             name = os.environ.get(plan.DEEPSPEED_ENV_FILE, ".deepspeed_env")
@@ -172,7 +185,8 @@ class DistributedRunner:
                 raise ValueError("master_port=0 (any free port) with node_rank: every node must be told the same"
                                  " port; pass one explicitly.")
             return free_port()
-        busy = port_in_use(self.master_port, "" if is_local_address(self.master_addr) else self.master_addr)
+        address = self._attempt.master_addr
+        busy = port_in_use(self.master_port, "" if is_local_address(address) else address)
         if not busy:
             return self.master_port
         if self.node_rank == 0:
@@ -207,13 +221,22 @@ class DistributedRunner:
     def _run_restarting(self, user: list[str], index: int) -> int:
         """Run one command, starting it again up to ``max_restarts`` times after a failure; log each attempt."""
         failures: list[str] = []
-        ended = 0.0
+        ended, code = 0.0, 1
+        lost: tuple[str, ...] = ()  # the hosts whose ranks the last failure lost
         for attempt in range(self.max_restarts + 1):
             if attempt:
+                if not self._choose_hosts(attempt, lost):
+                    self._say_failures(failures)
+                    return code
                 say(f"restart {attempt} of {self.max_restarts}: starting the job again"
                     f" {time.monotonic() - ended:.1f} s after the failure; the ranks resume from the newest complete"
                     " checkpoint (ckpt_path='last'), which rank 0 names.")
-            code, supervisor = self._run_one(user, index, attempt)
+            try:
+                code, supervisor = self._run_one(user, index, attempt)
+            finally:
+                if self._attempt.hostfile != self.spec.hostfile and self._attempt.hostfile is not None:
+                    self._attempt.hostfile.unlink(missing_ok=True)
+                self._attempt = self.spec
             if code == 0:
                 if failures:
                     say(f"the job completed after {attempt} restart(s).")
@@ -222,15 +245,53 @@ class DistributedRunner:
                 return code
             ended = supervisor.ended_at
             failure = supervisor.failure
+            lost = failure.hosts if failure is not None else ()
             who = "the job" if failure is None or failure.rank is None else f"rank {failure.rank}"
             why = failure.how if failure is not None else f"exit code {code}"
             failures.append(f"attempt {attempt + 1}: {who} failed: {why}")
             if supervisor.signalled or code == 124:
                 return code
         say(f"max_restarts={self.max_restarts} exhausted; the job failed {len(failures)} times:")
+        self._say_failures(failures)
+        return code
+
+    @staticmethod
+    def _say_failures(failures: Sequence[str]) -> None:
         for line in failures:
             say(f"  {line}")
-        return code
+
+    def _choose_hosts(self, attempt: int, lost: Sequence[str]) -> bool:
+        """With ``min_nodes``: the hosts restart ``attempt`` runs on (into ``self._attempt``), leaving out those
+        that do not answer; False (said why) when fewer than ``min_nodes`` remain."""
+        if self.min_nodes is None or self.spec.hosts is None:
+            return True
+        hosts = self.spec.hosts
+        started = time.monotonic()
+        unreachable = probe_hosts(hosts, self.spec.launcher, self.spec.link_timeout)
+        probed = time.monotonic() - started
+        choice = plan.select_hosts(hosts, unreachable, self.min_nodes)
+        why = "; ".join(f"{name}: {reason}" for name, reason in unreachable.items())
+        if choice is None:
+            say(f"restart {attempt} of {self.max_restarts}: not started: {len(hosts) - len(unreachable)} of"
+                f" {len(hosts)} host(s) answer ({why}), fewer than min_nodes={self.min_nodes}.")
+            return False
+        if not choice.left_out:
+            say(f"restart {attempt}: all {len(hosts)} hosts answer (probed in {probed:.1f} s).")
+            return True
+        fd, name = tempfile.mkstemp(prefix="lgds-hostfile-", text=True)
+        with os.fdopen(fd, "w") as f:
+            f.write(plan.hostfile_text(choice.kept))
+        self._attempt = plan.shrink(self.spec, choice, Path(name))
+        for host, reason in choice.left_out:
+            whose = "its ranks were the ones lost; " if host.name in lost else ""
+            say(f"restart {attempt}: leaving out host {host.name} ({host.slots} rank(s)): {whose}{reason}.")
+        moved = (f"; rendezvous moves to {self._attempt.master_addr}"
+                 if self._attempt.master_addr != self.spec.master_addr else "")
+        say(f"restart {attempt}: {len(choice.kept)} of {len(hosts)} hosts remain (min_nodes={self.min_nodes}):"
+            f" {', '.join(h.name for h in choice.kept)}; world size {self.spec.world_size} -> {choice.world_size},"
+            f" num_nodes {len(hosts)} -> {len(choice.kept)} ({plan.NUM_NODES_ENV}={len(choice.kept)}){moved};"
+            f" the ranks reshard the checkpoint on load (hosts probed in {probed:.1f} s).")
+        return True
 
     def _run_one(self, user: list[str], index: int, attempt: int = 0) -> tuple[int, Supervisor]:
         token = uuid.uuid4().hex
@@ -245,21 +306,21 @@ class DistributedRunner:
                                  " directory you can write to.") from None
             keep = True
         else:  # mkdtemp: mode 0700
-            shared = Path.cwd() if self.spec.across_hosts else None
+            shared = Path.cwd() if self._attempt.across_hosts else None
             run_dir, keep = Path(tempfile.mkdtemp(prefix=".lgds-run-" if shared else "lgds-run-", dir=shared)), False
         private = []  # removed at the end whatever happens: the env file may carry tokens from this environment
         try:
             port = self._choose_port()
             args_file = None
-            if self.spec.across_hosts:  # no remote shell parses the arguments: every shim reads them from here
+            if self._attempt.across_hosts:  # no remote shell parses the arguments: every shim reads them from here
                 args_file = run_dir / plan.ARGS_NAME
                 private.append(args_file)
                 _write_private(args_file, json.dumps(user))
             argv = self.build_command(user, port, args_file)
             private.append(run_dir / plan.DEEPSPEED_ENV_NAME)
             env = self._environment(run_dir, token, port, attempt)
-            say(f"{self.launcher}, world size {self.world_size}: {shlex.join(argv)}")
-            supervisor = Supervisor(self.stop_timeout, self.timeout, self.tail_lines, self.spec.hosts,
+            say(f"{self.launcher}, world size {self._attempt.world_size}: {shlex.join(argv)}")
+            supervisor = Supervisor(self.stop_timeout, self.timeout, self.tail_lines, self._attempt.hosts,
                                     self._no_rank_hint(port))
             return supervisor.run(argv, env, run_dir, token, keep), supervisor
         finally:
@@ -267,6 +328,33 @@ class DistributedRunner:
                 path.unlink(missing_ok=True)
             if not keep:
                 shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def probe_hosts(hosts: Sequence[Host], launcher: str, timeout: float,
+                environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The hosts of ``hosts`` that do not answer ``ssh HOST true`` within ``timeout`` s (name -> why), probed
+    together with the launcher's own ssh options; this host is not probed."""
+    key = "OMPI_MCA_plm_rsh_args" if launcher == "mpirun" else "PDSH_SSH_ARGS_APPEND"
+    ssh = [shutil.which("ssh", path=environ.get("PATH")) or "ssh", *shlex.split(environ.get(key, "")),
+           "-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, math.ceil(timeout))}"]
+
+    def probe(name: str) -> str | None:
+        try:
+            done = subprocess.run([*ssh, name, "true"], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                  timeout=timeout + 5, start_new_session=True)
+        except subprocess.TimeoutExpired:
+            return f"unreachable: no answer to ssh within {timeout + 5:g} s"
+        except OSError as err:
+            return f"unreachable: cannot run ssh ({err})"
+        if done.returncode == 0:
+            return None
+        last = (done.stderr.strip().splitlines() or [""])[-1]
+        return f"unreachable: ssh exited with {done.returncode}" + (f" ({last})" if last else "")
+
+    names = [h.name for h in hosts if not is_local_address(h.name)]
+    with ThreadPoolExecutor(max_workers=max(1, min(32, len(names)))) as pool:
+        answers = dict(zip(names, pool.map(probe, names), strict=True))
+    return {name: why for name, why in answers.items() if why is not None}
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -299,6 +387,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max_restarts", type=int, default=0,
                         help="start the job again up to N times after a rank fails or is preempted; the ranks"
                              " resume from the newest complete checkpoint (default 0)")
+    parser.add_argument("--min_nodes", type=int, default=None,
+                        help="with --hostfile and --max_restarts: a restart leaves out hosts that do not answer ssh"
+                             " if at least M hosts remain; the ranks reshard the checkpoint (default: every host)")
     parser.add_argument("--hpu_mode", choices=("eager", "lazy"), default=None,
                         help="Gaudi execution mode for every rank (default: PT_HPU_LAZY_MODE, unset = eager)")
     parser.add_argument("-m", "--module", action="store_true", help="the script is a module name (python -m)")
@@ -315,6 +406,7 @@ def run(args: argparse.Namespace) -> int:
             use_deepspeed=args.use_deepspeed, master_port=args.master_port, master_addr=args.master_addr,
             node_rank=args.node_rank, log_dir=args.log_dir, stop_timeout=args.stop_timeout, hpu_mode=args.hpu_mode,
             timeout=args.timeout, link_timeout=args.link_timeout, max_restarts=args.max_restarts,
+            min_nodes=args.min_nodes,
         )
         return runner.run()
     except (ValueError, RuntimeError) as err:

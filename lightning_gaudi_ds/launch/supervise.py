@@ -44,12 +44,14 @@ from lightning_gaudi_ds.launch.plan import RUN_ID_ENV, SHIM
 
 @dataclass
 class Failure:
-    """The first thing that went wrong: the rank (None: the job as a whole), its exit code, how, and its log."""
+    """The first thing that went wrong: the rank (None: the job as a whole), its exit code, how, its log, and the
+    hosts whose ranks it lost (a failed rank's host, or the hosts the launcher lost)."""
 
     rank: int | None
     returncode: int
     how: str
     log: Path | None
+    hosts: tuple[str, ...] = ()
 
 
 @dataclass
@@ -156,7 +158,8 @@ class Supervisor:
                 if failure is None and code != 0:
                     hint = "" if ranks.records() or not self.no_rank_hint else f"; {self.no_rank_hint}"
                     failure = Failure(None, exit_code(code), f"the launcher exited with {describe_exit(code)}"
-                                      f"{ranks.silent_hosts(self.hosts)}{hint}", run_dir / "launcher.log")
+                                      f"{ranks.silent_hosts(self.hosts)}{hint}", run_dir / "launcher.log",
+                                      tuple(ranks.silent_host_names(self.hosts) if self.hosts else ()))
                 return failure, 0 if failure is None else failure.returncode
             if self.timeout is not None and time.monotonic() - start > self.timeout:
                 return Failure(None, 124, f"the job ran past timeout={self.timeout:g} s", None), 124
@@ -173,7 +176,7 @@ class Supervisor:
             return None
         return Failure(None, LOST_HOST_EXIT, f"{ranks.describe_hosts(self.hosts, names)} unreachable: its ssh"
                        " session ended (no answer to ssh keepalives within link_timeout, or no connection)",
-                       run_dir / "launcher.log")
+                       run_dir / "launcher.log", tuple(names))
 
     def _stop(self, launcher: subprocess.Popen, token: str, clean_exit: bool) -> Stopped:
         """End every process of the job: SIGTERM, then SIGKILL after ``stop_timeout`` s.
@@ -285,7 +288,7 @@ class _RankTable:
                 if code != 0:
                     failures.append((path.stat().st_mtime, Failure(rank, exit_code(code),
                                      f"exited with {describe_exit(code)} (pid {record['child_pid']} on"
-                                     f" {record['host']})", log)))
+                                     f" {record['host']})", log, (str(record["host"]),))))
                 continue
             if rank not in self.procs and record.get("host") == self.host:
                 try:
@@ -297,7 +300,8 @@ class _RankTable:
             proc = self.procs[rank]
             if not _alive(proc) and "returncode" not in json.loads(path.read_text()):
                 failures.append((time.time(), Failure(rank, 128 + signal.SIGKILL,
-                                 f"its process (pid {record['pid']}) vanished without an exit status: killed", log)))
+                                 f"its process (pid {record['pid']}) vanished without an exit status: killed", log,
+                                 (self.host,))))
         if not failures:
             return None
         return min(failures, key=lambda item: item[0])[1]

@@ -7,8 +7,10 @@ resumed epoch reads its data: Lightning re-reads a plain DataLoader's epoch from
 checkpoint saved mid-epoch (its warning says so; a resumable loader, with ``state_dict``, avoids it).
 
 ``--kill "attempt:step:rank:signal"`` (repeatable): on that start of the job (0: the first), when ``global_step``
-is ``step`` in ``training_step``, that rank (``all``: every rank) sends itself the signal (``KILL`` or ``TERM``).
-``--every K``: a checkpoint every K steps (default 2); ``--num_nodes 2``: one rank on each of two hosts.
+is ``step`` in ``training_step``, that rank (``all``: every rank) sends itself the signal (``KILL``, ``TERM``, or
+``STOP``: it freezes, for a test to take its host down).
+``--every K``: a checkpoint every K steps (default 2); ``--num_nodes 2``: one rank on each of two hosts (a restart
+that ``--min_nodes`` moved to one host runs there with one rank: the strategy takes the runner's node count).
 
 Each rank writes ``<out>/attempt<A>-rank<R>.json``: the global steps its ``training_step`` saw and when (``times``,
 ``killed_at``: when it signalled itself; ``started``: when the process did), the checkpoint it resumed from, and
@@ -86,6 +88,7 @@ class StepModel(RegressionModel):
                   "started": psutil.Process().create_time(),
                   "sampler": repr(loader.sampler) if loader is not None else None,
                   "start_sum": self.start_sum, "resumed_from": self.trainer.ckpt_path and str(self.trainer.ckpt_path),
+                  "world_size": self.trainer.world_size, "num_nodes": self.trainer.num_nodes,
                   **extra}
         path.write_text(json.dumps(record))
 

@@ -268,3 +268,41 @@ def test_killed_rank_on_the_other_host_is_the_one_reported(clean: Cluster, tmp_p
     assert "rank 1 failed: exited with signal SIGKILL" in result.output and "on n1)" in result.output, \
         result.output[-3000:]
     assert "last " in result.output and "rank 1 on n1: step 3" in result.output.split("rank 1 failed")[-1]
+
+
+def test_min_nodes_restart_continues_on_one_host_after_a_lost_node(clean: Cluster, tmp_path: Path) -> None:
+    """``--max_restarts 1 --min_nodes 1``: n1 crashes at step 3 (its link goes down and its processes die; the last
+    save is step 2's, written by both hosts). The restart leaves n1 out, runs on n0 alone with world size 1 while the
+    script still says ``Trainer(num_nodes=2)``, resumes from step 2 (the 2-rank ZeRO-2 checkpoint resharded to 1
+    rank) and finishes."""
+    out = tmp_path / "out"
+    job = spawn(clean, 0, "--hostfile", str(clean.hostfile(1)), "--use_deepspeed", "--master_port", "0",
+                "--stop_timeout", "3", "--link_timeout", str(LINK_TIMEOUT), "--max_restarts", "1", "--min_nodes", "1",
+                str(JOBS / "restart_job.py"), "--out", str(out), "--num_nodes", "2", "--steps", "5",
+                "--kill", "0:3:1:STOP")  # rank 1 freezes in step 3, so the test takes n1 down mid-step
+    try:
+        job.wait_for("step 3 rank 1", timeout=120)
+        crashed, cut = time.time(), time.monotonic()
+        clean.hosts[1].link(False)
+        clean.kill_leftovers_on(1)
+        [result] = finish(clean, job, timeout=150)
+    finally:
+        clean.hosts[1].link(True)
+    assert result.returncode == 0, result.output[-4000:]
+    text = result.output
+    assert "host n1 (rank 1) unreachable" in text, text[-4000:]
+    assert "restart 1: leaving out host n1 (1 rank(s)): its ranks were the ones lost; unreachable: ssh" in text
+    assert "restart 1: 1 of 2 hosts remain (min_nodes=1): n0; world size 2 -> 1, num_nodes 2 -> 1" in text
+    assert "the job completed after 1 restart(s)" in text
+    first = json.loads((out / "attempt0-rank0.json").read_text())
+    again = json.loads((out / "attempt1-rank0.json").read_text())
+    assert first["steps"] == [0, 1, 2, 3] and first["world_size"] == 2
+    assert not (out / "attempt1-rank1.json").exists()
+    assert (again["world_size"], again["num_nodes"]) == (1, 1)
+    assert again["resumed_from"] == str(out / "ckpt" / "last.ckpt") and again["steps"] == [2, 3, 4]
+    assert again["done"] and again["global_step"] == 5
+    restart_s = again["times"][0] - crashed
+    TIMINGS["min_nodes restart"] = restart_s
+    seen, restarted = (job.wait_for(text, timeout=1) - cut for text in ("the job failed: host n1", "restart 1 of 1"))
+    print(f"\nlost node with --min_nodes 1: after n1 went down, the loss seen {seen:.1f} s, the restart started"
+          f" {restarted:.1f} s, its first step on n0 alone {restart_s:.1f} s; job {result.seconds:.1f} s")
