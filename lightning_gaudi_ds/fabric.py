@@ -33,7 +33,7 @@ from lightning_gaudi_ds._compat import _PATH, _move_state_into
 from lightning_gaudi_ds.config import ConfigError, StrategyConfig, offloads_optimizer
 from lightning_gaudi_ds.devices import device_spec
 from lightning_gaudi_ds.engine import checkpointing, inference, process, train
-from lightning_gaudi_ds.engine.device import hccl_reduce
+from lightning_gaudi_ds.engine.device import reduce_on_device
 from lightning_gaudi_ds.engine.step import engine_call
 from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV
 from lightning_gaudi_ds.strategy import HPUDeepSpeedStrategy as TrainerStrategy
@@ -165,9 +165,7 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
 
     @override
     def all_reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor:
-        if self._get_process_group_backend() != "hccl" or not isinstance(tensor, Tensor):
-            return super().all_reduce(tensor, group, reduce_op)
-        return hccl_reduce(super().all_reduce, tensor, group, reduce_op, self.root_device, self.world_size)
+        return reduce_on_device(super().all_reduce, self, tensor, group, reduce_op)
 
     # ------------------------------------------- checkpoints: crash-safe saves, validation, resharding
     # As under the Trainer (lightning_gaudi_ds.checkpoint): saved into `<path>.partial` and renamed into place once

@@ -46,7 +46,7 @@ from lightning_gaudi_ds.config import StrategyConfig, load_config, offloads_opti
 from lightning_gaudi_ds.config.validate import check_trainer
 from lightning_gaudi_ds.devices import DeviceSpec, device_spec
 from lightning_gaudi_ds.engine import checkpointing, inference, process, train
-from lightning_gaudi_ds.engine.device import hccl_reduce
+from lightning_gaudi_ds.engine.device import reduce_on_device
 from lightning_gaudi_ds.engine.step import engine_call, third_party_deprecations_silenced
 from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV
 
@@ -259,12 +259,9 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
     predict_step = engine_call(DeepSpeedStrategy.predict_step, evaluation=True)
 
     @override
-    def reduce(
-        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> Tensor:
-        if self._get_process_group_backend() != "hccl" or not isinstance(tensor, Tensor):
-            return super().reduce(tensor, group, reduce_op)
-        return hccl_reduce(super().reduce, tensor, group, reduce_op, self.root_device, self.world_size)
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None,
+               reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        return reduce_on_device(super().reduce, self, tensor, group, reduce_op)
 
     @override
     def on_train_start(self) -> None:
