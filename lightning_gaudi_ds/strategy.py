@@ -12,6 +12,7 @@ DeepSpeed's global accelerator, which must wait until ``setup_environment`` has 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import logging
@@ -23,7 +24,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import Tensor
 from torch.distributed import ReduceOp
@@ -33,14 +33,7 @@ from typing_extensions import override
 
 from lightning_gaudi_ds import checkpoint as ckpt
 from lightning_gaudi_ds import hf, hpu
-from lightning_gaudi_ds._compat import (
-    _PATH,
-    _init_optimizers_and_lr_schedulers,
-    _StrategyRegistry,
-    attached_trainer,
-    hook_resume_path,
-    weights_only_dropped_by_lightning,
-)
+from lightning_gaudi_ds._compat import _PATH, _StrategyRegistry, attached_trainer, weights_only_dropped_by_lightning
 from lightning_gaudi_ds.checkpoint import resume
 from lightning_gaudi_ds.config import StrategyConfig, load_config, offloads_optimizer
 from lightning_gaudi_ds.config.validate import check_trainer
@@ -64,8 +57,7 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
             HPU/CUDA device (required on CPU).
         measure_activations: with ``stage="auto"``, plan with the peak activation memory of one forward/backward of
             ``example_input_array`` (else activations are not included).
-        accelerator: an accelerator instance; by default the Trainer's ``accelerator`` flag decides (``"auto"`` does
-            not look for HPUs).
+        accelerator: an accelerator instance; by default the Trainer's ``accelerator`` flag decides.
         config: a DeepSpeed config (JSON path or dict); ``PL_DEEPSPEED_CONFIG_PATH`` is read when unset.
         offload_optimizer: ZeRO-Offload of optimizer states (and the step) to CPU.
         offload_parameters: offload parameters too (stage 3).
@@ -89,8 +81,7 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         zero3_leaf_modules: under ZeRO-3, module classes (or import paths) whose parameters are gathered at once when
             the module runs: mixture-of-experts blocks, whose experts run on some ranks only (DeepSpeed's
             ``set_z3_leaf_modules``). Ignored at stages 0-2.
-        **kwargs: every other argument of :class:`lightning.pytorch.strategies.DeepSpeedStrategy`, such as
-            ``logging_batch_size_per_gpu``.
+        **kwargs: every other argument of :class:`lightning.pytorch.strategies.DeepSpeedStrategy`.
     """
 
     strategy_name = "hpu_deepspeed"
@@ -158,7 +149,7 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        # The Trainer's constructor, once accelerator and precision are known: checked before any process starts.
+        # The Trainer's constructor, once accelerator and precision are known: checks before any process starts.
         process.before_launch(self, self._runtime, self._resolver, self.precision_plugin.precision)
         assert self.parallel_devices is not None
         self._inference_dtype = inference.before_launch(self._inference, self.parallel_devices, self.num_nodes,
@@ -168,20 +159,17 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
 
     @override
     def setup_environment(self) -> None:
-        # A copy of Lightning 2.6.6's without its gate that refuses every accelerator but CUDA; plus the Trainer
-        # flags DeepSpeed cannot honour and the device's preparation, before the process group starts.
+        # A copy of Lightning 2.6.6's without its CUDA-only gate; Trainer flags checked and the device prepared first.
         check_trainer(attached_trainer(self.lightning_module), serving=self._inference is not None)
         process.prepare_device(self, self._runtime, self._select_deepspeed_accelerator, self.set_world_ranks)
         DDPStrategy.setup_environment(self)
 
     @override
     def setup_distributed(self) -> None:
-        # A copy of Lightning 2.6.6's, see process.start_distributed; tensor parallelism decides whether DeepSpeed's
-        # CPU shm all-reduce is loaded (training leaves it off).
+        # A copy of Lightning 2.6.6's (process.start_distributed); serving decides whether the CPU shm op is loaded.
         mode = inference.shm_comm_mode(self._inference, self.world_size, os.environ.get(SHM_MODE_ENV))
-        process.start_distributed(self, self._runtime, set_world_ranks=self.set_world_ranks,
-                                  init=self._init_deepspeed_distributed,
-                                  offload=offloads_optimizer(self.config), shm_comm=mode)
+        process.start_distributed(self, self._runtime, set_world_ranks=self.set_world_ranks, shm_comm=mode,
+                                  init=self._init_deepspeed_distributed, offload=offloads_optimizer(self.config))
 
     @override
     def _init_deepspeed_distributed(self) -> None:
@@ -203,14 +191,13 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
     @override
     @contextlib.contextmanager
     def model_sharded_context(self) -> Iterator[None]:
-        # Lightning's zero.Init; under ZeRO-3 transformers is told around it, so that `from_pretrained` in
-        # configure_model loads into the partitions (lightning_gaudi_ds.hf). Resolved first (as Lightning's does),
-        # so that transformers is imported, if at all, before zero.Init patches module construction.
+        # Lightning's zero.Init, with transformers told (from_pretrained loads into the partitions, see hf); resolved
+        # first, so that transformers is imported, if at all, before zero.Init patches module construction.
         self._init_config_if_needed()
         with hf.zero3_loading(self.config if self.zero_stage_3 else None), super().model_sharded_context():
             yield
 
-    def _deepspeed_args(self) -> Any:
+    def _deepspeed_args(self) -> argparse.Namespace:
         return process.deepspeed_args(self.root_device, self.local_rank)
 
     @override
@@ -241,15 +228,7 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
 
     @override
     def _init_optimizers(self) -> tuple[Optimizer, LRSchedulerConfig | None]:
-        # Lightning's, with an error that names what configure_optimizers returned, and Habana's fused optimizers.
-        try:
-            optimizer, scheduler_config = super()._init_optimizers()
-        except MisconfigurationException as error:  # Lightning's "single optimizer": say what was returned
-            assert self.lightning_module is not None
-            train.single_optimizer(*_init_optimizers_and_lr_schedulers(self.lightning_module))
-            raise error
-        train.check_fused_optimizer(optimizer, self.config)
-        return optimizer, scheduler_config
+        return train.init_optimizers(super()._init_optimizers, self.lightning_module, self.config)
 
     backward = engine_call(DeepSpeedStrategy.backward)
     training_step = engine_call(DeepSpeedStrategy.training_step, graph_break=False)
@@ -287,16 +266,11 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
     @override
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
-        # Trainer._run connects first, before it restores from the path it made of ckpt_path: the moment to have
-        # that Trainer resolve "last" (and a restart's default) with the crash-safe checkpoints.
-        trainer = attached_trainer(model)
-        if trainer is not None and trainer.strategy is self:
-            hook_resume_path(trainer, functools.partial(resume.resolve_ckpt_path, trainer))
+        resume.hook_trainer(self, attached_trainer(model))
 
-    # Lightning's __init__ calls _load_config; setup (and ZeRO-3's model_sharded_context) call _init_config_if_needed.
     @override
     def _load_config(self, config: _PATH | dict[str, Any] | None) -> dict[str, Any] | None:
-        # The inference engine's keys (tensor_parallel, dtype, ...) are not DeepSpeed training-config keys.
+        # In Lightning's __init__. The inference engine's keys (tensor_parallel, dtype, ...) are not DeepSpeed's.
         training, self._inference_config = inference.split_config(load_config(config)[0])
         return self._resolver.load(training if self._inference_config else config)
 
@@ -355,14 +329,11 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
             return inference.load_full_state_dict(self.broadcast(str(checkpoint_path)), weights_only)
         if self.load_full_weights and self.zero_stage_3:
             return super().load_checkpoint(checkpoint_path, weights_only)
-        zero_stage = self.zero_stage
-        trainer = attached_trainer(self.lightning_module)
+        zero_stage, trainer = self.zero_stage, attached_trainer(self.lightning_module)
         return ckpt.load_checkpoint(
-            checkpoint_path, self, zero_stage=zero_stage, module=self.lightning_module,
-            fitting=None if trainer is None else trainer.state.fn == TrainerFn.FITTING, engine=self.deepspeed_engine,
-            deepspeed_load=functools.partial(super().load_checkpoint, checkpoint_path, weights_only),
-            weights_only=weights_only,
-        )
+            checkpoint_path, self, zero_stage=zero_stage, module=self.lightning_module, engine=self.deepspeed_engine,
+            fitting=None if trainer is None else trainer.state.fn == TrainerFn.FITTING, weights_only=weights_only,
+            deepspeed_load=functools.partial(super().load_checkpoint, checkpoint_path, weights_only))
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -375,6 +346,5 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         process.register(cls, strategy_registry)
 
 
-# Defining the strategy registers its names, however this module was reached (lightning_gaudi_ds/__init__.py
-# imports it once Lightning is imported).
+# Defining the strategy registers its names, however this module was reached (see lightning_gaudi_ds/__init__.py).
 HPUDeepSpeedStrategy.register_strategies(StrategyRegistry)

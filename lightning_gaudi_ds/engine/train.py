@@ -9,15 +9,20 @@ every parameter group and hyperparameter.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 
-from lightning_gaudi_ds._compat import _MockOptimizer, mark_step_wrapped_for_lr_scheduler
+from lightning_gaudi_ds._compat import (
+    _init_optimizers_and_lr_schedulers,
+    _MockOptimizer,
+    mark_step_wrapped_for_lr_scheduler,
+)
 from lightning_gaudi_ds.config import ConfigError, offloads_optimizer
 from lightning_gaudi_ds.jit_ops.locks import op_cache
 
@@ -121,14 +126,24 @@ def optimizer_sources(
     return client, scheduler_config
 
 
-def check_fused_optimizer(optimizer: Optimizer, config: Any) -> None:
-    """Refuse a Habana fused optimizer DeepSpeed cannot train with under ``config`` (see
-    :func:`lightning_gaudi_ds.hpu.fused_optimizer_problem`)."""
+def init_optimizers(
+    lightning_init: Callable[[], tuple[Optimizer, LRSchedulerConfig | None]], module: Any, config: Any
+) -> tuple[Optimizer, LRSchedulerConfig | None]:
+    """Lightning's ``DeepSpeedStrategy._init_optimizers`` (``lightning_init``), with its "single optimizer" error
+    naming what ``module``'s ``configure_optimizers`` returned (:func:`single_optimizer`), and a Habana fused
+    optimizer DeepSpeed cannot train with under ``config`` refused
+    (:func:`lightning_gaudi_ds.hpu.fused_optimizer_problem`)."""
     from lightning_gaudi_ds.hpu import fused_optimizer_problem
 
+    try:
+        optimizer, scheduler_config = lightning_init()
+    except MisconfigurationException:  # more than one optimizer or scheduler: say which (configure_optimizers again)
+        single_optimizer(*_init_optimizers_and_lr_schedulers(module))
+        raise
     problem = fused_optimizer_problem(optimizer, isinstance(config, dict) and offloads_optimizer(config))
     if problem:
         raise ConfigError(problem)
+    return optimizer, scheduler_config
 
 
 def single_optimizer(
