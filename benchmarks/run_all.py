@@ -130,7 +130,8 @@ def previous_cases(path: Path) -> dict[str, list[dict[str, Any]]]:
 
 def prebuild_cpu_adam(log_dir: Path) -> dict[str, Any]:
     """ZeRO-Offload's DeepSpeedCPUAdam is JIT-built on first use (~100 s): build it before anything is timed."""
-    res = run_one([sys.executable, "-m", "lightning_gaudi_ds.jit_ops", "build", "cpu_adam"], log_dir / "build_cpu_adam.log",
+    res = run_one([sys.executable, "-m", "lightning_gaudi_ds", "env", "--build-ops", "cpu_adam"],
+                  log_dir / "build_cpu_adam.log",
                   timeout=900)
     return {"ok": res.ok, "seconds": round(res.seconds, 1)}
 

@@ -12,7 +12,7 @@ Start-up scenarios (each a real 2-rank Lightning job on gloo, ZeRO-2):
 - ``default``: this project's default (``off``): the op is neither built nor loaded (training's collectives
   never use it); ``cold`` on an empty cache, ``warm`` with the op prebuilt.
 - ``offload`` (``--offload-rounds N``): ZeRO-2 with CPU optimizer offload, which needs the ``cpu_adam`` op.
-- ``prebuild``: ``python -m lightning_gaudi_ds.jit_ops build OP`` on an empty cache (what scripts/setup.sh runs).
+- ``prebuild``: ``python -m lightning_gaudi_ds env --build-ops OP`` on an empty cache (what scripts/setup.sh runs).
 
 All-reduce: 2 ranks with ``LOCAL_SIZE=2`` (so DeepSpeed's kernel engages), the same tensors reduced by
 ``deepspeed.comm.inference_all_reduce`` (the shm op) and by ``torch.distributed.all_reduce`` (gloo),
@@ -105,7 +105,7 @@ def allreduce_worker(argv: list[str]) -> None:
     rank, world = tdist.get_rank(), tdist.get_world_size()
     backend = dist_state.cdb
     if getattr(backend, "shm_comm_op", None) is None:
-        raise SystemExit("the shm op was not loaded: build it first (python -m lightning_gaudi_ds.jit_ops build)")
+        raise SystemExit("the shm op was not loaded: build it first (lightning-gaudi-ds env --build-ops)")
     level = getattr(backend, "shm_vector_kernel_level", 0)
     sizes = [int(s) for s in args.sizes.split(",")]
     dtypes = [torch.float32] + ([torch.bfloat16] if level >= 2 else [])
@@ -169,7 +169,7 @@ def run_startup(ext: Path, mode: str, offload: bool = False) -> dict[str, Any]:
 
 
 def prebuild(ext: Path, op: str) -> float:
-    seconds, _ = _run([sys.executable, "-m", "lightning_gaudi_ds.jit_ops", "build", op], {"TORCH_EXTENSIONS_DIR": str(ext)})
+    seconds, _ = _run([sys.executable, "-m", "lightning_gaudi_ds", "env", "--build-ops", op], {"TORCH_EXTENSIONS_DIR": str(ext)})
     return round(seconds, 2)
 
 
@@ -249,7 +249,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         lines.append("")
     builds = [r for r in rows if r["scenario"] == "prebuild"]
     if builds:
-        lines += ["| prebuild (`python -m lightning_gaudi_ds.jit_ops build OP`, empty cache) | seconds |", "|---|---|"]
+        lines += ["| prebuild (`python -m lightning_gaudi_ds env --build-ops OP`, empty cache) | seconds |", "|---|---|"]
         lines += [f"| {r['op']} | {r['seconds']} |" for r in builds] + [""]
     ar = [r for r in rows if r["scenario"] == "allreduce"]
     ar = [r for r in ar if r.get("when") == ar[-1].get("when")]  # the latest all-reduce run only

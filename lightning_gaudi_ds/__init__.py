@@ -27,18 +27,22 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lightning_gaudi_ds.accelerator import HPUAccelerator
     from lightning_gaudi_ds.checkpoint import (
-        CheckpointError,
-        CheckpointNotFoundError,
-        IncompleteCheckpointError,
-        NotACheckpointError,
-        UnsafeCheckpointError,
         convert_zero_checkpoint_to_fp32_state_dict,
         export_hf,
         export_safetensors,
     )
-    from lightning_gaudi_ds.config import ConfigError, ConfigNotFoundError
-    from lightning_gaudi_ds.jit_ops import BuildLockError
-    from lightning_gaudi_ds.launch import DistributedRunner, HostfileError
+    from lightning_gaudi_ds.errors import (
+        BuildLockError,
+        CheckpointError,
+        CheckpointNotFoundError,
+        ConfigError,
+        ConfigNotFoundError,
+        HostfileError,
+        IncompleteCheckpointError,
+        NotACheckpointError,
+        UnsafeCheckpointError,
+    )
+    from lightning_gaudi_ds.launch import DistributedRunner
     from lightning_gaudi_ds.lightning_cli import LightningCLI
     from lightning_gaudi_ds.planning import plan_memory
     from lightning_gaudi_ds.strategy import HPUDeepSpeedStrategy
@@ -70,19 +74,15 @@ except PackageNotFoundError:  # a source tree on sys.path that was never install
 
 # Public name -> the module that defines it; imported on first access.
 _EXPORTS = {
-    "BuildLockError": "lightning_gaudi_ds.jit_ops",
-    "CheckpointError": "lightning_gaudi_ds.checkpoint",
-    "CheckpointNotFoundError": "lightning_gaudi_ds.checkpoint",
-    "ConfigError": "lightning_gaudi_ds.config",
-    "ConfigNotFoundError": "lightning_gaudi_ds.config",
+    # The package's errors, all in one module (lightning_gaudi_ds.errors).
+    **dict.fromkeys((
+        "BuildLockError", "CheckpointError", "CheckpointNotFoundError", "ConfigError", "ConfigNotFoundError",
+        "HostfileError", "IncompleteCheckpointError", "NotACheckpointError", "UnsafeCheckpointError",
+    ), "lightning_gaudi_ds.errors"),
     "DistributedRunner": "lightning_gaudi_ds.launch",
     "HPUAccelerator": "lightning_gaudi_ds.accelerator",
     "HPUDeepSpeedStrategy": "lightning_gaudi_ds.strategy",
-    "HostfileError": "lightning_gaudi_ds.launch",
-    "IncompleteCheckpointError": "lightning_gaudi_ds.checkpoint",
     "LightningCLI": "lightning_gaudi_ds.lightning_cli",
-    "NotACheckpointError": "lightning_gaudi_ds.checkpoint",
-    "UnsafeCheckpointError": "lightning_gaudi_ds.checkpoint",
     "convert_zero_checkpoint_to_fp32_state_dict": "lightning_gaudi_ds.checkpoint",
     "export_hf": "lightning_gaudi_ds.checkpoint",
     "export_safetensors": "lightning_gaudi_ds.checkpoint",

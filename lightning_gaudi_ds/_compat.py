@@ -98,7 +98,7 @@ OVERRIDDEN_DEEPSPEED_STRATEGY_HOOKS = (
     "_initialize_deepspeed_train",  # optimizer from the config or configure_optimizers
     "_initialize_deepspeed_inference",  # device_rank on CPU/HPU
     "_setup_model_and_optimizer",  # device_rank on CPU/HPU
-    "_init_optimizers",  # one optimizer; no Habana fused optimizer under ZeRO-Offload
+    "_init_optimizers",  # Lightning's, then its "single optimizer" error said precisely; Habana's fused optimizers
     "_init_deepspeed_distributed",  # called from our setup_distributed
     "_set_deepspeed_activation_checkpointing",  # number of checkpoints for contiguous checkpointing
 )
@@ -115,7 +115,6 @@ COPIED_DEEPSPEED_STRATEGY_METHODS: dict[str, str] = {
     "_initialize_deepspeed_train": "f2a07b4c1db8f7dd",  # the optimizer may come from the config or the module
     "_initialize_deepspeed_inference": "cb20fc28d95bf969",  # device_rank for CPU/HPU
     "_setup_model_and_optimizer": "68c0cc65d009288f",  # device_rank for CPU/HPU
-    "_init_optimizers": "88dffe1d22e2a2fd",  # errors that say what to return; Habana's fused optimizers
 }
 
 

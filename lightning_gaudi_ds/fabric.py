@@ -33,10 +33,9 @@ from lightning_gaudi_ds._compat import _PATH, _move_state_into
 from lightning_gaudi_ds.config import ConfigError, StrategyConfig, offloads_optimizer
 from lightning_gaudi_ds.devices import device_spec
 from lightning_gaudi_ds.engine import checkpointing, inference, process, train
-from lightning_gaudi_ds.engine.device import hccl_reduce
-from lightning_gaudi_ds.engine.step import step
+from lightning_gaudi_ds.engine.device import reduce_on_device
+from lightning_gaudi_ds.engine.step import engine_call
 from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV
-from lightning_gaudi_ds.strategy import _REGISTERED
 from lightning_gaudi_ds.strategy import HPUDeepSpeedStrategy as TrainerStrategy
 
 if TYPE_CHECKING:
@@ -136,11 +135,9 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         self.config = self._resolver.resolve_with(self, model, precision)
         if optimizer is not None:
             optimizer, _ = train.optimizer_sources(self.config, optimizer, None)
-        self._mark_leaf_modules(model)
         self._runtime.before_engine(model, self.root_device)
         engine, ds_optimizer, ds_scheduler = process.initialize(
-            self._runtime, process.deepspeed_args(self.root_device, self.local_rank), self.config, model, optimizer,
-            scheduler,
+            self, process.deepspeed_args(self.root_device, self.local_rank), model, optimizer, scheduler
         )
         self._runtime.compile_engine(engine)
         return engine, ds_optimizer, ds_scheduler
@@ -163,21 +160,12 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         return stack
 
     # ------------------------------------------ engine calls: HPU lazy-mode graph breaks (engine.step)
-    @override
-    def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
-        with step(self._runtime):
-            super().backward(tensor, module, *args, **kwargs)
-
-    @override
-    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        with step(self._runtime):
-            return super().optimizer_step(optimizer, **kwargs)
+    backward = engine_call(DeepSpeedStrategy.backward)
+    optimizer_step = engine_call(DeepSpeedStrategy.optimizer_step)
 
     @override
     def all_reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor:
-        if self._get_process_group_backend() != "hccl" or not isinstance(tensor, Tensor):
-            return super().all_reduce(tensor, group, reduce_op)
-        return hccl_reduce(super().all_reduce, tensor, group, reduce_op, self.root_device, self.world_size)
+        return reduce_on_device(super().all_reduce, self, tensor, group, reduce_op)
 
     # ------------------------------------------- checkpoints: crash-safe saves, validation, resharding
     # As under the Trainer (lightning_gaudi_ds.checkpoint): saved into `<path>.partial` and renamed into place once
@@ -230,8 +218,7 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for name, description, kwargs in _REGISTERED:
-            strategy_registry.register(name, cls, description=description, override=True, **kwargs)
+        process.register(cls, strategy_registry)
 
 
 _TRAINER_ARGUMENTS = inspect.signature(TrainerStrategy)

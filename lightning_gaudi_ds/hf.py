@@ -83,6 +83,13 @@ def zero3_init_paused() -> Iterator[None]:
 HF_MODELS = export.HF_MODELS  # the Lightning checkpoint's key for what model_info returns
 
 
+def with_model_info(checkpoint: dict[str, Any], module: Module | None) -> dict[str, Any]:
+    """``checkpoint`` with :func:`model_info` of ``module`` under :data:`HF_MODELS` when it holds Hugging Face
+    models: what ``lightning-gaudi-ds convert --to hf`` needs besides the weights."""
+    models = model_info(module) if module is not None else {}
+    return {**checkpoint, HF_MODELS: models} if models else checkpoint
+
+
 def model_info(module: Module) -> dict[str, dict[str, Any]]:
     """The Hugging Face models inside ``module`` as plain data, for :func:`~lightning_gaudi_ds.checkpoint.export_hf`.
 

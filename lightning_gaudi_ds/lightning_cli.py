@@ -21,11 +21,12 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from lightning_gaudi_ds._compat import _PRECISION_INPUT_STR_ALIAS_CONVERSION
 from lightning_gaudi_ds.devices import ALL_PRECISIONS, DEVICES
-from lightning_gaudi_ds.strategy import _REGISTERED, HPUDeepSpeedStrategy
+from lightning_gaudi_ds.engine.process import REGISTERED
+from lightning_gaudi_ds.strategy import HPUDeepSpeedStrategy
 
 # Lightning's shorthands ("16" -> "16-mixed", ...), as its connector converts them
 _PRECISION_ALIASES: Mapping[str, str] = _PRECISION_INPUT_STR_ALIAS_CONVERSION
-OWN_NAMES = tuple(name for name, _, _ in _REGISTERED)
+OWN_NAMES = tuple(name for name, _, _ in REGISTERED)
 
 
 def check_trainer_arguments(strategy: Any, precision: Any, accelerator: Any = "auto") -> None:

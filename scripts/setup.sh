@@ -66,9 +66,9 @@ pipq --no-deps --no-build-isolation -e .
 # (<venv>/torch_extensions/py<ver>_<build>; torch's default is shared by every environment, which then rebuild
 # each other's). The package chooses it per build call; nothing needs exporting here.
 # async_io (NVMe offload) is not built here: about 6 min on 2 cores and no test uses it. Build it once with
-# `python -m lightning_gaudi_ds.jit_ops build async_io`; benchmarks/capacity.py builds it before its NVMe trials.
+# `lightning-gaudi-ds env --build-ops async_io`; benchmarks/capacity.py builds it before its NVMe trials.
 OPS=(deepspeed_shm_comm cpu_adam)
 if [ "${LIGHTNING_GAUDI_DS_SKIP_OP_BUILD:-0}" != "1" ]; then
-  python -m lightning_gaudi_ds.jit_ops build "${OPS[@]}" \
+  python -m lightning_gaudi_ds env --build-ops "${OPS[@]}" \
     || echo "setup.sh: DeepSpeed ops not built (see above): training falls back to torch.distributed collectives; ZeRO-Offload needs cpu_adam" >&2
 fi

@@ -47,7 +47,7 @@ def _attr(module: str, name: str, library: str, used_by: str) -> Any:
         ("lightning.pytorch.core.optimizer", "_MockOptimizer",
          "engine.train.optimizer_sources (configure_optimizers returned None)"),
         ("lightning.pytorch.core.optimizer", "_init_optimizers_and_lr_schedulers",
-         "HPUDeepSpeedStrategy._init_optimizers"),
+         "engine.train.init_optimizers"),
         ("lightning.pytorch.strategies.deepspeed", "remove_module_hooks",
          "engine.inference.init_zero_engine"),
         ("lightning.fabric.strategies.deepspeed", "_validate_device_index_selection",

@@ -29,7 +29,7 @@ from lightning_gaudi_ds.config import ConfigError
 from lightning_gaudi_ds.engine import process
 from lightning_gaudi_ds.fabric import HPUDeepSpeedStrategy
 from lightning_gaudi_ds.launch._proc import free_port
-from lightning_gaudi_ds.strategy import _REGISTERED
+from lightning_gaudi_ds.engine.process import REGISTERED as _REGISTERED
 from tests.procs import JOBS, REPO, run_job
 from tests.test_hpu_wiring import clean_env, gaudi  # noqa: F401  (fixtures)
 

@@ -358,7 +358,7 @@ def built_shm_ext(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Build the real op in a private dir after a build was killed mid-compile (the lock it left is cleared)."""
     root = tmp_path_factory.mktemp("ext_built")
     env = {"TORCH_EXTENSIONS_DIR": str(root)}
-    cmd = [sys.executable, "-m", "lightning_gaudi_ds.jit_ops", "build", build.SHM_COMM]
+    cmd = [sys.executable, "-m", "lightning_gaudi_ds", "env", "--build-ops", build.SHM_COMM]
     lock = root / build.SHM_COMM / "lock"
     from tests.procs import job_env
 
@@ -496,7 +496,7 @@ def test_env_report_says_whether_deepspeed_is_habanas_fork() -> None:
 
 @pytest.mark.multiprocess
 def test_prebuild_without_a_compiler_fails_clearly(ext_dir: Path) -> None:
-    result = run_job([sys.executable, "-m", "lightning_gaudi_ds.jit_ops", "build", build.SHM_COMM], timeout=300,
+    result = run_job([sys.executable, "-m", "lightning_gaudi_ds", "env", "--build-ops", build.SHM_COMM], timeout=300,
                      env={"TORCH_EXTENSIONS_DIR": str(ext_dir), "CXX": "/bin/false"})
     assert not result.timed_out and result.returncode == 1, result.output[-3000:]
     assert f"{build.SHM_COMM}   FAILED" in result.output and "/bin/false" in result.output  # torch's reason

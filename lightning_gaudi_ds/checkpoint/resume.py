@@ -51,6 +51,18 @@ def newest_complete(candidates: Iterable[str]) -> tuple[str | None, list[str]]:
     return (max(complete)[1] if complete else None), skipped
 
 
+def hook_trainer(strategy: Any, trainer: Any) -> None:
+    """In the strategy's ``connect``: ``Trainer._run`` connects before it restores from the path it made of
+    ``ckpt_path``, the moment to have ``trainer`` resolve "last" (and a restart's default) with
+    :func:`resolve_ckpt_path`. Only a Trainer whose strategy is ``strategy``."""
+    import functools
+
+    from lightning_gaudi_ds._compat import hook_resume_path
+
+    if trainer is not None and trainer.strategy is strategy:
+        hook_resume_path(trainer, functools.partial(resolve_ckpt_path, trainer))
+
+
 def resolve_ckpt_path(trainer: Any, checkpoint_path: Any) -> Any:
     """The checkpoint this Trainer restores from, given the path Lightning made of the user's ``ckpt_path`` (see
     the module's docstring): a restart's fit without one resumes from "last"; one of the "last" candidates that is

@@ -13,11 +13,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_gaudi_ds._compat import _format_precision_config, attached_trainer, train_dataloaders
 from lightning_gaudi_ds.config.load import check_activation_checkpointing
-from lightning_gaudi_ds.config.resolve import AutoContext, ConfigResolver, explicit_arguments
+from lightning_gaudi_ds.config.resolve import AutoContext, ConfigResolver, explicit_arguments, publish_resolved
 from lightning_gaudi_ds.config.sizing import hidden_size, mark_model_buckets, shared_batch_size
 from lightning_gaudi_ds.config.validate import check_argument_config, check_arguments, check_offload
 from lightning_gaudi_ds.devices import device_spec
@@ -72,11 +73,33 @@ class StrategyConfig(ConfigResolver):
             explicit.pop("stage")
         return cls(explicit, auto_stage), stage
 
+    @property
+    def zero_arguments(self) -> dict[str, Any]:
+        """The explicit arguments, ``stage="auto"`` included."""
+        return {**self.explicit_args, **({"stage": auto.AUTO} if self.auto is not None else {})}
+
     def load(self, config: Any) -> dict[str, Any] | None:
         loaded = super().load(config)
         if loaded is not None:
             rank_zero_info(f"DeepSpeed config: {self.source}")
         return loaded
+
+    def zero_stage(self, config: Mapping[str, Any]) -> int:
+        """The ZeRO stage of the resolved ``config`` (0-3); refused while ``stage="auto"`` is not chosen yet."""
+        stage = (config.get("zero_optimization") or {}).get("stage", 0)
+        if stage == auto.AUTO:
+            raise MisconfigurationException(
+                "stage='auto' is chosen when the Trainer sets the strategy up (fit, validate, test, predict);"
+                " read `zero_stage` after that."
+            )
+        return int(stage)
+
+    def publish(self, trainer: pl.Trainer, *, rank_zero: bool) -> None:
+        """At the start of training (not earlier: a file in the logger's directory before it makes CSVLogger warn
+        that the directory is not empty), the last fit's resolved config logged and written beside the logs."""
+        pending = self.take_unpublished()
+        if pending is not None:
+            publish_resolved(*pending, trainer.log_dir or trainer.default_root_dir, rank_zero=rank_zero)
 
     def adopt(self, config: dict[str, Any], *, user_config: bool, offload_parameters: bool) -> None:
         """After Lightning's ``__init__`` built or loaded ``config``: check it, and mark ``stage="auto"`` pending."""

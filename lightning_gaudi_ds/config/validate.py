@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_gaudi_ds._compat import _validate_device_index_selection
@@ -64,6 +65,15 @@ def check_trainer_flags(
             "DeepSpeed does not support clipping gradients by value (`Trainer(gradient_clip_algorithm='value')`);"
             f" it clips by norm only. Use `Trainer(gradient_clip_val={gradient_clip_val},"
             " gradient_clip_algorithm='norm')`."
+        )
+
+
+def check_trainer(trainer: Any, *, serving: bool) -> None:
+    """:func:`check_trainer_flags` for the flags of ``trainer`` (None: not attached, nothing to check)."""
+    if trainer is not None:
+        check_trainer_flags(
+            serving=serving, fitting=trainer.state.fn == TrainerFn.FITTING,
+            gradient_clip_algorithm=trainer.gradient_clip_algorithm, gradient_clip_val=trainer.gradient_clip_val,
         )
 
 

@@ -157,3 +157,12 @@ def hccl_reduce(
         return reduce(tensor, group, reduce_op)
     size = torch.distributed.get_world_size(group) if group is not None else world_size
     return reduce(tensor, group, "sum") / size
+
+
+def reduce_on_device(reduce: Callable[[Any, Any, Any], Any], strategy: Any, tensor: Any, group: Any,
+                     reduce_op: Any) -> Any:
+    """The strategy's ``reduce`` (Trainer) or ``all_reduce`` (Fabric): :func:`hccl_reduce` for a tensor on hccl,
+    else ``reduce`` as it is."""
+    if strategy._get_process_group_backend() != "hccl" or not isinstance(tensor, Tensor):
+        return reduce(tensor, group, reduce_op)
+    return hccl_reduce(reduce, tensor, group, reduce_op, strategy.root_device, strategy.world_size)

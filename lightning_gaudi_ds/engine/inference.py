@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from lightning_gaudi_ds._compat import (
 )
 from lightning_gaudi_ds.checkpoint import io as ckpt_io
 from lightning_gaudi_ds.checkpoint.read import read_full_checkpoint
+from lightning_gaudi_ds.devices import device_spec
 from lightning_gaudi_ds.errors import ConfigError
 
 #: Keyword arguments of ``HPUDeepSpeedStrategy`` (and keys of its config dict) that select DeepSpeed's inference
@@ -234,6 +235,26 @@ def parse_injection_policy(value: Any) -> InjectionPolicy | None:
 
 
 # ------------------------------------------------------------------------------------------ validation
+def serving_settings(
+    args: Mapping[str, Any], config_part: Mapping[str, Any], zero_args: Mapping[str, Any], config: Any
+) -> InferenceSettings | None:
+    """:func:`settings_from`, checked against the strategy's ZeRO arguments (``zero_args``) and ``config``."""
+    settings = settings_from(args, config_part)
+    if settings is not None:
+        check_zero_options(settings, zero_args, config)
+    return settings
+
+
+def before_launch(
+    settings: InferenceSettings | None, devices: Sequence[torch.device], num_nodes: int, precision: str
+) -> torch.dtype | None:
+    """Before any process starts: the world checked against ``tp_size``; the engine's dtype (None: no engine)."""
+    if settings is None:
+        return None
+    check_world(settings, len(devices) * num_nodes, devices[0].type)
+    return resolve_dtype(settings, precision)
+
+
 def check_zero_options(settings: InferenceSettings, explicit_args: Mapping[str, Any], config: Any) -> None:
     """ZeRO settings that cannot apply to a tensor-parallel model (which must be built whole, then split)."""
     if not settings.tensor_parallel:
@@ -447,6 +468,17 @@ def init_engine(
 
         engine.module = hpu.wrap_in_hpu_graph(engine.module)
     return engine
+
+
+def initialize(strategy: Any, model: Module, settings: InferenceSettings | None, dtype: torch.dtype | None) -> Any:
+    """The Trainer strategy's evaluation engine for ``model``: DeepSpeed's inference engine (``settings``, the
+    ``tensor_parallel=...`` arguments) or, without them, Lightning's ZeRO engine with the device rank for CPU/HPU."""
+    if settings is not None:
+        assert dtype is not None
+        return init_engine(model, settings, dtype, device_spec(strategy.root_device).device_type, strategy.world_size)
+    assert isinstance(strategy.config, dict)
+    strategy._mark_leaf_modules(model)
+    return init_zero_engine(model, strategy.config, strategy._deepspeed_args(), zero_stage_3=strategy.zero_stage_3)
 
 
 def init_zero_engine(model: Module, config: Mapping[str, Any], args: Any, *, zero_stage_3: bool) -> Any:

@@ -33,10 +33,38 @@ from lightning_gaudi_ds.devices import DeviceSpec, device_spec
 from lightning_gaudi_ds.engine import checkpointing, shutdown
 from lightning_gaudi_ds.engine.device import DeviceRuntime
 from lightning_gaudi_ds.jit_ops.startup import prepare_startup
+from lightning_gaudi_ds.launch._proc import NUM_NODES_ENV
+from lightning_gaudi_ds.launch.environments import (
+    check_launcher_world_size,
+    launcher_num_nodes,
+    resolve_environment,
+)
 from lightning_gaudi_ds.launch.rendezvous import bounded_rendezvous, rendezvous_timeout, waiting_message
 
 _P = ParamSpec("_P")
 _S = TypeVar("_S")
+
+
+# (name, description, kwargs): the strategy names both strategies register, as lightning-habana documented them.
+REGISTERED: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("hpu_deepspeed", "DeepSpeed (ZeRO stage 2) on HPU, CUDA or CPU", {}),
+    ("hpu_deepspeed_stage_1", "DeepSpeed ZeRO stage 1", {"stage": 1}),
+    ("hpu_deepspeed_stage_2", "DeepSpeed ZeRO stage 2", {"stage": 2}),
+    ("hpu_deepspeed_stage_2_offload", "DeepSpeed ZeRO stage 2, optimizer offloaded to CPU",
+     {"stage": 2, "offload_optimizer": True}),
+    ("hpu_deepspeed_stage_3", "DeepSpeed ZeRO stage 3", {"stage": 3}),
+    ("hpu_deepspeed_stage_3_offload", "DeepSpeed ZeRO stage 3, optimizer and parameters offloaded to CPU",
+     {"stage": 3, "offload_optimizer": True, "offload_parameters": True}),
+    ("hpu_deepspeed_stage_3_offload_nvme", "DeepSpeed ZeRO stage 3, optimizer and parameters offloaded to NVMe",
+     {"stage": 3, "offload_optimizer": True, "offload_parameters": True, "remote_device": "nvme",
+      "offload_params_device": "nvme", "offload_optimizer_device": "nvme"}),
+)
+
+
+def register(strategy_cls: type, registry: Any) -> None:
+    """Register every name of :data:`REGISTERED` for ``strategy_cls`` (overriding earlier entries of that name)."""
+    for name, description, kwargs in REGISTERED:
+        registry.register(name, strategy_cls, description=description, override=True, **kwargs)
 
 
 class _TakesArgumentsOf(Protocol[_P]):
@@ -97,6 +125,21 @@ class StrategyCommon:
     def teardown(self) -> None:
         super().teardown()  # type: ignore[misc]
         self._runtime.teardown()
+
+
+def adopt_launcher(strategy: Any) -> None:
+    """In ``set_world_ranks``, which the Trainer's constructor calls before ``_configure_launcher``: adopt DeepSpeed's
+    launcher (Lightning takes it for a single-node launch), take the node count of a restart on fewer hosts
+    (``LIGHTNING_GAUDI_DS_NUM_NODES``) over ``num_nodes``, and refuse a launcher whose process count disagrees with
+    devices x num_nodes, before anything starts."""
+    strategy.cluster_environment = resolve_environment(strategy.cluster_environment)
+    nodes = launcher_num_nodes(strategy.num_nodes)
+    if nodes != strategy.num_nodes:  # a restart on fewer hosts (spawn --min_nodes): the launcher's count wins
+        rank_zero_info(f"{NUM_NODES_ENV}={nodes}: this restart runs on {nodes} node(s), not"
+                       f" num_nodes={strategy.num_nodes}; hosts were left out (spawn --min_nodes).")
+        strategy._num_nodes = nodes
+    if strategy.parallel_devices is not None:
+        check_launcher_world_size(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
 
 
 def before_launch(strategy: Any, runtime: DeviceRuntime, resolver: StrategyConfig, precision: str) -> None:
@@ -186,17 +229,19 @@ def deepspeed_args(root_device: torch.device, local_rank: int) -> argparse.Names
 
 
 def initialize(
-    runtime: DeviceRuntime, args: argparse.Namespace, config: dict[str, Any], model: Module, optimizer: Any,
-    lr_scheduler: Any,
+    strategy: Any, args: argparse.Namespace, model: Module, optimizer: Any, lr_scheduler: Any
 ) -> tuple[Any, Any, Any]:
-    """``deepspeed.initialize`` -> ``(engine, optimizer, lr_scheduler)``, with a copy of the config (DeepSpeed 0.16,
-    Habana's fork, pops keys out of the dict it is given) and the variables DeepSpeed reads set for the call."""
+    """``deepspeed.initialize`` for ``strategy`` -> ``(engine, optimizer, lr_scheduler)``: ZeRO-3's leaf modules
+    marked, a copy of its config (DeepSpeed 0.16, Habana's fork, pops keys out of the dict it is given) and the
+    variables DeepSpeed reads set for the call."""
     import deepspeed
 
-    with runtime.deepspeed_calls():
+    strategy._mark_leaf_modules(model)
+    assert isinstance(strategy.config, dict)
+    with strategy._runtime.deepspeed_calls():
         engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
             args=args,
-            config=copy.deepcopy(config),
+            config=copy.deepcopy(strategy.config),
             model=model,
             model_parameters=[p for p in model.parameters() if p.requires_grad],
             optimizer=optimizer,

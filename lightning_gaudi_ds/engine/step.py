@@ -5,12 +5,16 @@ checkpoint buffers emptied after a forward without a backward."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from lightning_gaudi_ds.engine import checkpointing
 from lightning_gaudi_ds.engine.device import DeviceRuntime
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 @contextlib.contextmanager
@@ -37,3 +41,21 @@ def step(
         runtime.graph_break()
     if evaluation_config is not None:
         checkpointing.reset_after_forward(evaluation_config)
+
+
+def engine_call(
+    method: Callable[Concatenate[Any, _P], _R], *, graph_break: bool = True, evaluation: bool = False
+) -> Callable[Concatenate[Any, _P], _R]:
+    """A strategy method that runs the base class's ``method`` (``DeepSpeedStrategy.backward``: looked up as
+    ``super()`` would, on each call) inside :func:`step` with the strategy's ``_runtime``; ``evaluation``: under the
+    strategy's ``config`` (validation, test, predict)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(strategy: Any, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        owner = next(cls for cls in type(strategy).__mro__ if cls.__dict__.get(name) is call)
+        with step(strategy._runtime, graph_break=graph_break,
+                  evaluation_config=strategy.config if evaluation else None):
+            return getattr(super(owner, strategy), name)(*args, **kwargs)
+
+    return call

@@ -8,15 +8,21 @@ every parameter group and hyperparameter.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 
-from lightning_gaudi_ds._compat import _MockOptimizer, mark_step_wrapped_for_lr_scheduler
+from lightning_gaudi_ds._compat import (
+    _init_optimizers_and_lr_schedulers,
+    _MockOptimizer,
+    mark_step_wrapped_for_lr_scheduler,
+)
 from lightning_gaudi_ds.config import ConfigError, offloads_optimizer
 from lightning_gaudi_ds.jit_ops.locks import op_cache
 
@@ -120,6 +126,26 @@ def optimizer_sources(
     return client, scheduler_config
 
 
+def init_optimizers(
+    lightning_init: Callable[[], tuple[Optimizer, LRSchedulerConfig | None]], module: Any, config: Any
+) -> tuple[Optimizer, LRSchedulerConfig | None]:
+    """Lightning's ``DeepSpeedStrategy._init_optimizers`` (``lightning_init``), with its "single optimizer" error
+    naming what ``module``'s ``configure_optimizers`` returned (:func:`single_optimizer`), and a Habana fused
+    optimizer DeepSpeed cannot train with under ``config`` refused
+    (:func:`lightning_gaudi_ds.hpu.fused_optimizer_problem`)."""
+    from lightning_gaudi_ds.hpu import fused_optimizer_problem
+
+    try:
+        optimizer, scheduler_config = lightning_init()
+    except MisconfigurationException:  # more than one optimizer or scheduler: say which (configure_optimizers again)
+        single_optimizer(*_init_optimizers_and_lr_schedulers(module))
+        raise
+    problem = fused_optimizer_problem(optimizer, isinstance(config, dict) and offloads_optimizer(config))
+    if problem:
+        raise ConfigError(problem)
+    return optimizer, scheduler_config
+
+
 def single_optimizer(
     optimizers: list[Optimizer], schedulers: list[LRSchedulerConfig]
 ) -> tuple[Optimizer, LRSchedulerConfig | None]:
@@ -159,3 +185,53 @@ def eval_mode_warning(module: torch.nn.Module) -> str | None:
         f" invalid for module in evaluation mode\"), and {len(names)} submodule(s) are in eval mode: {shown}. If"
         " gradients flow through them, keep them in train mode (freeze them with requires_grad_(False) instead)."
     )
+
+
+def client_optimizer_and_scheduler(strategy: Any) -> tuple[Optimizer | None, LRSchedulerConfig | None]:
+    """What the strategy's ``_init_optimizers`` returned, through :func:`optimizer_sources`."""
+    assert isinstance(strategy.config, dict)
+    with warnings.catch_warnings():  # None: the config's optimizer is used, or optimizer_sources says what to do
+        warnings.filterwarnings("ignore", message=".*configure_optimizers` returned `None`")
+        optimizer, scheduler_config = strategy._init_optimizers()
+    return optimizer_sources(strategy.config, optimizer, scheduler_config)
+
+
+def initialize_engine(strategy: Any, model: torch.nn.Module) -> None:
+    """The Trainer strategy's ``_initialize_deepspeed_train``: a copy of Lightning 2.6.6's (hash-guarded in
+    :mod:`lightning_gaudi_ds._compat`), except that the optimizer and the scheduler each come from the config *or*
+    from ``configure_optimizers`` (Lightning ignores configure_optimizers once the config has an optimizer), see
+    :func:`optimizer_sources`; the engine is compiled afterwards if asked."""
+    optimizer, scheduler_config = strategy._client_optimizer_and_scheduler()
+    scheduler = scheduler_config.scheduler if scheduler_config is not None else None
+    engine, ds_optimizer = strategy._setup_model_and_optimizer(model, optimizer, scheduler)
+    strategy._set_deepspeed_activation_checkpointing()
+    strategy.optimizers = [ds_optimizer]
+    if engine.lr_scheduler is not None:
+        ds_scheduler, engine.lr_scheduler = engine.lr_scheduler, None  # Lightning steps the scheduler
+        if scheduler_config is None:
+            scheduler_config = LRSchedulerConfig(ds_scheduler, interval="step")
+        else:
+            scheduler_config.scheduler = ds_scheduler
+        strategy.lr_scheduler_configs = [scheduler_config]
+    strategy.model = engine
+    strategy._runtime.compile_engine(engine)
+
+
+def warn_at_train_start(module: torch.nn.Module | None, zero_stage_3: bool) -> None:
+    """Under ZeRO-3, :func:`eval_mode_warning`'s warning, if any."""
+    warning = eval_mode_warning(module) if zero_stage_3 and module is not None else None
+    if warning:
+        rank_zero_warn(warning)
+
+
+def warn_at_train_end(module: torch.nn.Module | None, zero_stage_3: bool) -> None:
+    """Under ZeRO-3, :data:`PARTITIONED_AFTER_FIT` when the module holds its rank's partitions only."""
+    if zero_stage_3 and module is not None and any(is_partition(p) for p in module.parameters()):
+        rank_zero_warn(PARTITIONED_AFTER_FIT)
+
+
+def is_partition(param: torch.Tensor) -> bool:
+    """A ZeRO-3 parameter not gathered now: its values live in the ranks' partitions (DeepSpeed's own status)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return getattr(param, "ds_status", None) is ZeroParamStatus.NOT_AVAILABLE

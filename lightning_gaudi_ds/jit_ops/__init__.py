@@ -1,7 +1,7 @@
 """DeepSpeed's C++ ops that are compiled on first use: stale build locks (``locks``), building ahead of time and
 loading without hanging (``build``), and what each rank does before ``deepspeed.init_distributed`` (``startup``).
 
-``python -m lightning_gaudi_ds.jit_ops build [OP ...]`` builds them now (scripts/setup.sh runs it).
+``lightning-gaudi-ds env --build-ops [OP ...]`` builds them now (scripts/setup.sh runs it).
 """
 
 from lightning_gaudi_ds.jit_ops.build import CPU_ADAM, OPS, SHM_COMM, build_ops, load_op

@@ -2,7 +2,7 @@
 
 On CPU, ``deepspeed.init_distributed`` JIT-builds the shared-memory communication op (``deepspeed_shm_comm``,
 ``ShareMemCommBuilder``) and ZeRO-Offload builds ``cpu_adam`` (``CPUAdamBuilder``, on first ``DeepSpeedCPUAdam``),
-each on first use. ``python -m lightning_gaudi_ds.jit_ops build`` (what scripts/setup.sh runs) builds them now.
+each on first use. ``lightning-gaudi-ds env --build-ops`` (what scripts/setup.sh runs) builds them now.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from typing import Any
 
 from lightning_gaudi_ds import _compat
 from lightning_gaudi_ds.jit_ops.locks import (
-    BuildLockError,
     build_dir,
     clear_stale_lock,
     clear_stale_locks,
@@ -206,24 +205,3 @@ def print_build_results(results: Sequence[BuildResult], file: Any = None) -> int
     for r in results:
         print(f"{r.name:20s} {'ok ' if r.ok else 'FAILED'} {r.seconds:6.1f} s  {r.detail}", file=file or sys.stdout)
     return 0 if all(r.ok for r in results) else 1
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m lightning_gaudi_ds.jit_ops build [OP ...]`` (what scripts/setup.sh runs)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m lightning_gaudi_ds.jit_ops", description=main.__doc__)
-    parser.add_argument("action", choices=("build", "clear-stale-locks"))
-    parser.add_argument("ops", nargs="*", default=list(OPS), help=f"default: {' '.join(OPS)}")
-    args = parser.parse_args(argv)
-    unknown = sorted(set(args.ops) - set(OPS))
-    if unknown:
-        parser.error(f"unknown op(s) {unknown}; known: {', '.join(OPS)}")
-    if args.action == "clear-stale-locks":
-        try:
-            clear_stale_locks(args.ops, say)
-        except BuildLockError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 1
-        return 0
-    return print_build_results(build_ops(args.ops))

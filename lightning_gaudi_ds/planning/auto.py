@@ -13,10 +13,9 @@ from typing import Any
 
 from torch import nn
 
+from lightning_gaudi_ds.config.keys import AUTO
 from lightning_gaudi_ds.planning.memory import DEFAULT_HEADROOM, Buckets, ModelSpec, plan_memory
 from lightning_gaudi_ds.planning.units import parse_bytes
-
-AUTO = "auto"
 
 
 @dataclass(frozen=True)
