@@ -39,6 +39,7 @@ from lightning_gaudi_ds.checkpoint import io as ckpt_io
 from lightning_gaudi_ds.checkpoint.read import read_full_checkpoint
 from lightning_gaudi_ds.devices import device_spec
 from lightning_gaudi_ds.errors import ConfigError
+from lightning_gaudi_ds.precisions import PRECISION_DTYPES
 
 #: Keyword arguments of ``HPUDeepSpeedStrategy`` (and keys of its config dict) that select DeepSpeed's inference
 #: engine, as lightning-habana named them.
@@ -58,9 +59,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "16": torch.float16,
 }
 _PRECISION_DTYPES: dict[str, torch.dtype] = {
-    "32-true": torch.float32, "32": torch.float32,
-    "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
-    "16-mixed": torch.float16, "16-true": torch.float16,
+    "32": torch.float32, **{precision: getattr(torch, name) for precision, name in PRECISION_DTYPES.items()},
 }
 InjectionPolicy = dict[type, tuple[str, ...]]
 _EXAMPLE_POLICY = 'injection_policy={Block: ("attn.proj", "mlp.2")}'
