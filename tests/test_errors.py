@@ -52,7 +52,7 @@ def test_inference_planning_and_precision_errors_are_config_errors():
     with pytest.raises(errors.ConfigError, match="chooses offload itself"):
         auto.from_strategy_arguments("auto", None, False, offload_optimizer=True, offload_parameters=False)
     with pytest.raises(errors.ConfigError, match=r"stage='auto'\): no fit"):
-        auto.adopt(("error", "no fit"), {})
+        auto.adopt(auto.Decision(error="no fit"), {})
     with pytest.raises(errors.ConfigError, match="not supported by HPUDeepSpeedStrategy on 'cpu'"):
         validate_precision("16-mixed", torch.device("cpu"))
 

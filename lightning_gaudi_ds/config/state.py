@@ -188,7 +188,7 @@ class StrategyConfig(ConfigResolver):
             module, self.auto, device=strategy.root_device, devices=len(strategy.parallel_devices),
             nodes=strategy.num_nodes, precision=precision or strategy.precision_plugin.precision,
             zero_config=lambda: self.as_resolved(config).get("zero_optimization"),
-        ) if strategy.is_global_zero else ("", None)
+        ) if strategy.is_global_zero else auto.Decision()
         decision = strategy.broadcast(decision, src=0) if strategy.world_size > 1 else decision
         self.chosen = auto.adopt(decision, config)
 
