@@ -100,7 +100,7 @@ def device_spec(device: torch.device | str) -> DeviceSpec:
     try:
         return DEVICES[device_type]
     except KeyError:
-        raise ValueError(
+        raise ConfigError(
             f"Device type {device_type!r} is not supported by HPUDeepSpeedStrategy."
             f" Supported: {', '.join(DEVICES)}. Use Trainer(accelerator='hpu' | 'cuda' | 'cpu')."
         ) from None

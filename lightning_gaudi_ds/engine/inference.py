@@ -38,7 +38,7 @@ from lightning_gaudi_ds._compat import (
 from lightning_gaudi_ds.checkpoint import io as ckpt_io
 from lightning_gaudi_ds.checkpoint.read import read_full_checkpoint
 from lightning_gaudi_ds.devices import device_spec
-from lightning_gaudi_ds.errors import ConfigError
+from lightning_gaudi_ds.errors import CheckpointNotFoundError, ConfigError
 from lightning_gaudi_ds.precisions import PRECISION_DTYPES
 
 #: Keyword arguments of ``HPUDeepSpeedStrategy`` (and keys of its config dict) that select DeepSpeed's inference
@@ -588,7 +588,7 @@ def checkpoint_hparams(path: str | os.PathLike[str], weights_only: bool | None =
     checkpoint is validated first, as training does (an unfinished or truncated save is refused by name)."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"ckpt_path={str(path)!r}: no such checkpoint file or directory.")
+        raise CheckpointNotFoundError(f"ckpt_path={str(path)!r}: no such checkpoint file or directory.")
     opt_in = "pass `weights_only=False` to checkpoint_hparams"
     if path.is_dir():
         info = ckpt_io.validate_checkpoint(path, weights_only=weights_only, opt_in=opt_in)
@@ -612,5 +612,5 @@ def load_full_state_dict(path: str | os.PathLike[str], weights_only: bool | None
             checkpoint = {"state_dict": checkpoint}
         return checkpoint
     if not path.is_dir():
-        raise FileNotFoundError(f"ckpt_path={str(path)!r}: no such checkpoint file or directory.")
+        raise CheckpointNotFoundError(f"ckpt_path={str(path)!r}: no such checkpoint file or directory.")
     return read_full_checkpoint(path, weights_only=weights_only)

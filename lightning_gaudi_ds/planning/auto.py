@@ -59,11 +59,12 @@ def activation_bytes_of(module: nn.Module, precision: str, device: Any) -> int:
     import copy
 
     from lightning_gaudi_ds._compat import attached_trainer
+    from lightning_gaudi_ds.errors import ConfigError
     from lightning_gaudi_ds.planning.activations import measure_activation_bytes
 
     inputs = getattr(module, "example_input_array", None)
     if inputs is None:
-        raise ValueError(
+        raise ConfigError(
             f"measure_activations=True runs one micro batch through {type(module).__name__}, and it has no"
             " `example_input_array`. Set `self.example_input_array = <one micro batch>` in its __init__, or drop"
             " measure_activations."
