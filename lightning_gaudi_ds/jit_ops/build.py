@@ -121,7 +121,7 @@ def load_op(name: str, builder: Any, say: Callable[[str], None] = say) -> Any:
         try:
             with op_cache():
                 return builder.load(verbose=False)
-        except Exception:
+        except Exception:  # re-raised, unless a dead build's lock was cleared meanwhile: then one retry
             if watch.cleared.is_set() and attempt == 0:
                 say(f"retrying the build of {name} after clearing the dead build's lock")
                 _compat.forget_jit_extension(name)  # else torch skips a name it has seen once in this process
