@@ -11,7 +11,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -25,6 +25,9 @@ from lightning_gaudi_ds._environ import scoped_environ
 from lightning_gaudi_ds.config import ConfigError
 from lightning_gaudi_ds.devices import deterministic_change, deterministic_state, move_keeping_tied_parameters
 from lightning_gaudi_ds.jit_ops.locks import op_cache
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 #: Lightning's ``reduce_op`` argument, and a reduce or all-reduce taking it.
 ReduceOpArg = ReduceOp | str | None
@@ -119,7 +122,7 @@ class DeviceRuntime:
         if module is not None:
             move_keeping_tied_parameters(module, device)
 
-    def compile_engine(self, engine: Any) -> None:
+    def compile_engine(self, engine: DeepSpeedEngine) -> None:
         if self.compile:
             # Through the engine: Lightning refuses a module already passed through torch.compile with DeepSpeed.
             engine.compile(backend=compile_backend())
