@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from deepspeed import DeepSpeedEngine
 
 __all__ = [
     "BUILD_LOCK_NAME",
@@ -322,7 +323,7 @@ def set_process_group_timeout(timeout: Any) -> None:
     _set_pg_timeout(timeout)
 
 
-def reset_zero3_trace_at_outer_forward_only(engine: Any) -> bool:
+def reset_zero3_trace_at_outer_forward_only(engine: DeepSpeedEngine) -> bool:
     """Let a ZeRO-3 engine start its step at the outermost call of the top module only; True if it applied.
 
     DeepSpeed's ZeRO-3 (``DeepSpeedZeRoOffload.setup_zero_stage3_hooks``) resets its parameter coordinator in a
@@ -536,7 +537,7 @@ def ds_to_universal(input_folder: Path, output_folder: Path) -> None:
 
 
 @contextlib.contextmanager
-def universal_checkpoint_loading(engine: Any) -> Iterator[None]:
+def universal_checkpoint_loading(engine: DeepSpeedEngine) -> Iterator[None]:
     """Make ``engine.load_checkpoint`` read a universal checkpoint (the ``load_universal_checkpoint`` config flag).
 
     DeepSpeed reads the flag from ``engine._config`` on every load; it has no argument for it.

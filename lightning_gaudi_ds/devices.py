@@ -18,6 +18,7 @@ from torch.nn import Module
 from lightning_gaudi_ds import hpu
 from lightning_gaudi_ds.errors import ConfigError
 from lightning_gaudi_ds.hpu import habana_frameworks_installed, hpu_available
+from lightning_gaudi_ds.precisions import PRECISIONS, ZERO_DEFAULT_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +28,9 @@ __all__ = [
     "move_keeping_tied_parameters", "validate_precision",
 ]
 
-ALL_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
-
 #: ``zero_optimization`` keys whose best value depends on the device; the strategy fills them where the user's
 #: config (or an explicit strategy argument) does not set them. Stage -> key -> (value, reason).
 ZeroDefaults = Mapping[int, Mapping[str, tuple[Any, str]]]
-ZERO_DEFAULT_KEYS = ("overlap_comm", "reduce_scatter", "contiguous_gradients", "use_multi_rank_bucket_allreduce")
 
 # DeepSpeed 0.19 (stage_1_and_2.py, average_tensor) reduces ZeRO-1/2 gradient buckets three ways:
 # reduce_scatter=false all-reduces the bucket; reduce_scatter=true with use_multi_rank_bucket_allreduce=true (its
@@ -91,8 +89,8 @@ class DeviceSpec:
 
 DEVICES: dict[str, DeviceSpec] = {
     "cpu": DeviceSpec("cpu", "gloo", "cpu", ("32-true", "bf16-mixed", "bf16-true"), zero_defaults=CPU_ZERO_DEFAULTS),
-    "cuda": DeviceSpec("cuda", "nccl", "cuda", ALL_PRECISIONS, zero_defaults=CUDA_ZERO_DEFAULTS),
-    "hpu": DeviceSpec("hpu", "hccl", "hpu", ALL_PRECISIONS, zero_defaults=HPU_ZERO_DEFAULTS),
+    "cuda": DeviceSpec("cuda", "nccl", "cuda", PRECISIONS, zero_defaults=CUDA_ZERO_DEFAULTS),
+    "hpu": DeviceSpec("hpu", "hccl", "hpu", PRECISIONS, zero_defaults=HPU_ZERO_DEFAULTS),
 }
 
 
@@ -102,7 +100,7 @@ def device_spec(device: torch.device | str) -> DeviceSpec:
     try:
         return DEVICES[device_type]
     except KeyError:
-        raise ValueError(
+        raise ConfigError(
             f"Device type {device_type!r} is not supported by HPUDeepSpeedStrategy."
             f" Supported: {', '.join(DEVICES)}. Use Trainer(accelerator='hpu' | 'cuda' | 'cpu')."
         ) from None

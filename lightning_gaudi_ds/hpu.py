@@ -13,11 +13,12 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 log = logging.getLogger(__name__)
 
 Mode = Literal["eager", "lazy"]
+MODES: tuple[Mode, ...] = get_args(Mode)  #: the one list every ``hpu_mode`` check uses
 LAZY_MODE_ENV = "PT_HPU_LAZY_MODE"
 
 # The values Habana's integrations use, exported where unset to the ranks a launcher starts (ours, and Lightning's
@@ -144,7 +145,7 @@ def check_mode(requested: Mode | None) -> Mode:
     for that import only, which fixes the mode for the process. ``os.environ`` is left as it was: ranks started
     from here get the mode from their launcher (:func:`rank_env`).
     """
-    if requested not in (None, "eager", "lazy"):
+    if requested not in (None, *MODES):
         raise ValueError(f"`hpu_mode={requested!r}` is not an HPU execution mode. Use 'eager' (with torch.compile,"
                          " the default) or 'lazy' (the legacy mark_step mode).")
     current = imported_mode()

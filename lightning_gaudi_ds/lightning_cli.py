@@ -20,8 +20,9 @@ from lightning.pytorch.cli import LightningCLI as _LightningCLI
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from lightning_gaudi_ds._compat import _PRECISION_INPUT_STR_ALIAS_CONVERSION
-from lightning_gaudi_ds.devices import ALL_PRECISIONS, DEVICES
+from lightning_gaudi_ds.devices import DEVICES
 from lightning_gaudi_ds.engine.process import REGISTERED
+from lightning_gaudi_ds.precisions import PRECISIONS
 from lightning_gaudi_ds.strategy import HPUDeepSpeedStrategy
 
 # Lightning's shorthands ("16" -> "16-mixed", ...), as its connector converts them
@@ -43,7 +44,7 @@ def check_trainer_arguments(strategy: Any, precision: Any, accelerator: Any = "a
     device = {"gpu": "cuda"}.get(str(accelerator).lower(), str(accelerator).lower()) if isinstance(accelerator, str) \
         else None
     spec = DEVICES.get(device) if device else None
-    allowed = spec.precisions if spec is not None else ALL_PRECISIONS
+    allowed = spec.precisions if spec is not None else PRECISIONS
     if flag not in allowed:
         where = f" on accelerator={device!r}" if spec is not None else ""
         raise ValueError(

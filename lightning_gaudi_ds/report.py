@@ -133,7 +133,7 @@ def collect() -> dict[str, Any]:
 def _safe(fn: Any) -> Any:
     try:
         return fn()
-    except Exception as err:  # a bad env value is worth reporting, not crashing the report
+    except ValueError as err:  # a bad env value is worth reporting, not crashing the report
         return f"invalid: {err}"
 
 

@@ -42,8 +42,8 @@ def test_old_import_paths_are_the_same_classes():
     assert hostfile.HostfileError is errors.HostfileError and jit_ops.BuildLockError is errors.BuildLockError
 
 
-def test_inference_planning_and_precision_errors_are_config_errors():
-    from lightning_gaudi_ds.devices import validate_precision
+def test_inference_planning_and_precision_errors_are_config_errors(tmp_path):
+    from lightning_gaudi_ds.devices import device_spec, validate_precision
     from lightning_gaudi_ds.engine import inference
     from lightning_gaudi_ds.planning import auto
 
@@ -52,9 +52,16 @@ def test_inference_planning_and_precision_errors_are_config_errors():
     with pytest.raises(errors.ConfigError, match="chooses offload itself"):
         auto.from_strategy_arguments("auto", None, False, offload_optimizer=True, offload_parameters=False)
     with pytest.raises(errors.ConfigError, match=r"stage='auto'\): no fit"):
-        auto.adopt(("error", "no fit"), {})
+        auto.adopt(auto.Decision(error="no fit"), {})
     with pytest.raises(errors.ConfigError, match="not supported by HPUDeepSpeedStrategy on 'cpu'"):
         validate_precision("16-mixed", torch.device("cpu"))
+    with pytest.raises(errors.ConfigError, match="Device type 'mps' is not supported"):
+        device_spec("mps")
+    with pytest.raises(errors.ConfigError, match="has no `example_input_array`"):
+        auto.activation_bytes_of(torch.nn.Linear(2, 2), "32-true", torch.device("cpu"))
+    for read in (inference.checkpoint_hparams, inference.load_full_state_dict):
+        with pytest.raises(errors.CheckpointNotFoundError, match="no such checkpoint file or directory"):
+            read(tmp_path / "missing")
 
 
 # ------------------------------------------------------------------ narrowed excepts (issue 22, design point)

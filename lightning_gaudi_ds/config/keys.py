@@ -7,6 +7,8 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from lightning_gaudi_ds.precisions import ZERO_DEFAULT_KEYS
+
 AUTO = "auto"
 CONFIG_FILENAME = "deepspeed_config.json"
 
@@ -18,9 +20,7 @@ BUCKET_KEYS = (
     f"{ZERO}.stage3_param_persistence_threshold",
 )
 #: Keys whose default depends on the device (the device table's ``zero_defaults``): filled where not set.
-DEVICE_TUNED_KEYS = tuple(
-    f"{ZERO}.{k}" for k in ("overlap_comm", "reduce_scatter", "contiguous_gradients", "use_multi_rank_bucket_allreduce")
-)
+DEVICE_TUNED_KEYS = tuple(f"{ZERO}.{k}" for k in ZERO_DEFAULT_KEYS)
 OPTIMIZER_AUTO_KEYS = tuple(f"optimizer.params.{k}" for k in ("lr", "betas", "eps", "weight_decay"))
 SCHEDULER_AUTO_KEYS = tuple(
     f"scheduler.params.{k}" for k in ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")

@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_gaudi_ds._compat import _format_precision_config, attached_trainer, train_dataloaders
@@ -22,6 +21,7 @@ from lightning_gaudi_ds.config.resolve import AutoContext, ConfigResolver, expli
 from lightning_gaudi_ds.config.sizing import hidden_size, mark_model_buckets, shared_batch_size
 from lightning_gaudi_ds.config.validate import check_argument_config, check_arguments, check_offload
 from lightning_gaudi_ds.devices import device_spec
+from lightning_gaudi_ds.errors import ConfigError
 from lightning_gaudi_ds.planning import auto
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ class StrategyConfig(ConfigResolver):
         """The ZeRO stage of the resolved ``config`` (0-3); refused while ``stage="auto"`` is not chosen yet."""
         stage = (config.get("zero_optimization") or {}).get("stage", 0)
         if stage == auto.AUTO:
-            raise MisconfigurationException(
+            raise ConfigError(
                 "stage='auto' is chosen when the Trainer sets the strategy up (fit, validate, test, predict);"
                 " read `zero_stage` after that."
             )
@@ -188,7 +188,7 @@ class StrategyConfig(ConfigResolver):
             module, self.auto, device=strategy.root_device, devices=len(strategy.parallel_devices),
             nodes=strategy.num_nodes, precision=precision or strategy.precision_plugin.precision,
             zero_config=lambda: self.as_resolved(config).get("zero_optimization"),
-        ) if strategy.is_global_zero else ("", None)
+        ) if strategy.is_global_zero else auto.Decision()
         decision = strategy.broadcast(decision, src=0) if strategy.world_size > 1 else decision
         self.chosen = auto.adopt(decision, config)
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_gaudi_ds import hpu
 from lightning_gaudi_ds._compat import _validate_device_index_selection
 from lightning_gaudi_ds.config.keys import AUTO, STRATEGY_ARG_KEYS, report
 from lightning_gaudi_ds.config.keys import get as get_key
@@ -119,7 +120,7 @@ def check_arguments(
 ) -> AutoStage | None:
     """``HPUDeepSpeedStrategy``'s own arguments, refused in its ``__init__`` before anything is built; returns
     ``stage="auto"``'s arguments (None for a fixed stage)."""
-    if hpu_mode not in (None, "eager", "lazy"):
+    if hpu_mode not in (None, *hpu.MODES):
         raise ConfigError(f"`HPUDeepSpeedStrategy(hpu_mode={hpu_mode!r})` is not a Gaudi execution mode. Use"
                           " 'eager' (with torch.compile, Habana's default) or 'lazy' (the legacy mark_step mode).")
     if torch_compile not in (None, True, False):

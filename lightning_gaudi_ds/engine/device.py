@@ -11,11 +11,12 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from torch.distributed import ReduceOp
 from torch.nn import Module
 
 from lightning_gaudi_ds import hpu
@@ -24,6 +25,13 @@ from lightning_gaudi_ds._environ import scoped_environ
 from lightning_gaudi_ds.config import ConfigError
 from lightning_gaudi_ds.devices import deterministic_change, deterministic_state, move_keeping_tied_parameters
 from lightning_gaudi_ds.jit_ops.locks import op_cache
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
+#: Lightning's ``reduce_op`` argument, and a reduce or all-reduce taking it.
+ReduceOpArg = ReduceOp | str | None
+Reduce = Callable[[Tensor, Any, ReduceOpArg], Tensor]
 
 
 def compile_backend() -> str:
@@ -114,7 +122,7 @@ class DeviceRuntime:
         if module is not None:
             move_keeping_tied_parameters(module, device)
 
-    def compile_engine(self, engine: Any) -> None:
+    def compile_engine(self, engine: DeepSpeedEngine) -> None:
         if self.compile:
             # Through the engine: Lightning refuses a module already passed through torch.compile with DeepSpeed.
             engine.compile(backend=compile_backend())
@@ -129,13 +137,13 @@ class DeviceRuntime:
             self.unpin_device_count = None
 
 
-def is_mean(reduce_op: Any) -> bool:
+def is_mean(reduce_op: ReduceOpArg) -> bool:
     if isinstance(reduce_op, str):
         return reduce_op.lower() in ("mean", "avg")
     return bool(reduce_op == torch.distributed.ReduceOp.AVG)
 
 
-def hccl_reduce_input(tensor: Tensor, device: torch.device, reduce_op: Any) -> tuple[Tensor, bool]:
+def hccl_reduce_input(tensor: Tensor, device: torch.device, reduce_op: ReduceOpArg) -> tuple[Tensor, bool]:
     """``tensor`` made reducible by hccl, and whether the reduction is a mean (to do as a sum divided by the ranks).
 
     hccl is registered for HPU tensors only (a logged CPU value would find no backend), and reduces with sum/min/max
@@ -147,7 +155,7 @@ def hccl_reduce_input(tensor: Tensor, device: torch.device, reduce_op: Any) -> t
 
 
 def hccl_reduce(
-    reduce: Callable[[Tensor, Any, Any], Tensor], tensor: Tensor, group: Any, reduce_op: Any, device: torch.device,
+    reduce: Reduce, tensor: Tensor, group: Any, reduce_op: ReduceOpArg, device: torch.device,
     world_size: int,
 ) -> Tensor:
     """``reduce(tensor, group, reduce_op)`` (the strategy's reduce or all-reduce) on hccl: the tensor on the card,
@@ -159,8 +167,8 @@ def hccl_reduce(
     return reduce(tensor, group, "sum") / size
 
 
-def reduce_on_device(reduce: Callable[[Any, Any, Any], Any], strategy: Any, tensor: Any, group: Any,
-                     reduce_op: Any) -> Any:
+def reduce_on_device(reduce: Callable[[Tensor | Any, Any, ReduceOpArg], Tensor], strategy: Any, tensor: Tensor | Any,
+                     group: Any | None, reduce_op: ReduceOpArg) -> Tensor:
     """The strategy's ``reduce`` (Trainer) or ``all_reduce`` (Fabric): :func:`hccl_reduce` for a tensor on hccl,
     else ``reduce`` as it is."""
     if strategy._get_process_group_backend() != "hccl" or not isinstance(tensor, Tensor):

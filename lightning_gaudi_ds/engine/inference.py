@@ -38,7 +38,8 @@ from lightning_gaudi_ds._compat import (
 from lightning_gaudi_ds.checkpoint import io as ckpt_io
 from lightning_gaudi_ds.checkpoint.read import read_full_checkpoint
 from lightning_gaudi_ds.devices import device_spec
-from lightning_gaudi_ds.errors import ConfigError
+from lightning_gaudi_ds.errors import CheckpointNotFoundError, ConfigError
+from lightning_gaudi_ds.precisions import PRECISION_DTYPES
 
 #: Keyword arguments of ``HPUDeepSpeedStrategy`` (and keys of its config dict) that select DeepSpeed's inference
 #: engine, as lightning-habana named them.
@@ -58,9 +59,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "16": torch.float16,
 }
 _PRECISION_DTYPES: dict[str, torch.dtype] = {
-    "32-true": torch.float32, "32": torch.float32,
-    "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
-    "16-mixed": torch.float16, "16-true": torch.float16,
+    "32": torch.float32, **{precision: getattr(torch, name) for precision, name in PRECISION_DTYPES.items()},
 }
 InjectionPolicy = dict[type, tuple[str, ...]]
 _EXAMPLE_POLICY = 'injection_policy={Block: ("attn.proj", "mlp.2")}'
@@ -589,7 +588,7 @@ def checkpoint_hparams(path: str | os.PathLike[str], weights_only: bool | None =
     checkpoint is validated first, as training does (an unfinished or truncated save is refused by name)."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"ckpt_path={str(path)!r}: no such checkpoint file or directory.")
+        raise CheckpointNotFoundError(f"ckpt_path={str(path)!r}: no such checkpoint file or directory.")
     opt_in = "pass `weights_only=False` to checkpoint_hparams"
     if path.is_dir():
         info = ckpt_io.validate_checkpoint(path, weights_only=weights_only, opt_in=opt_in)
@@ -613,5 +612,5 @@ def load_full_state_dict(path: str | os.PathLike[str], weights_only: bool | None
             checkpoint = {"state_dict": checkpoint}
         return checkpoint
     if not path.is_dir():
-        raise FileNotFoundError(f"ckpt_path={str(path)!r}: no such checkpoint file or directory.")
+        raise CheckpointNotFoundError(f"ckpt_path={str(path)!r}: no such checkpoint file or directory.")
     return read_full_checkpoint(path, weights_only=weights_only)

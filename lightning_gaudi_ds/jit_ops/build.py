@@ -26,6 +26,7 @@ from lightning_gaudi_ds.jit_ops.locks import (
     lock_path,
     op_cache,
 )
+from lightning_gaudi_ds.launch import _proc
 
 SHM_COMM = "deepspeed_shm_comm"
 CPU_ADAM = "cpu_adam"
@@ -73,8 +74,7 @@ def installed_ops() -> dict[str, bool]:
 def say(message: str) -> None:
     """One line on stderr, with the rank when there is one (every rank of a job may be building)."""
     rank = os.environ.get("RANK") or os.environ.get("LOCAL_RANK")
-    prefix = f"[lightning_gaudi_ds rank {rank}]" if rank is not None else "[lightning_gaudi_ds]"
-    print(f"{prefix} {message}", file=sys.stderr, flush=True)
+    _proc.say(message, f"[lightning_gaudi_ds rank {rank}]" if rank is not None else "[lightning_gaudi_ds]")
 
 
 # ---------------------------------------------------------------------------------------- loading
@@ -121,7 +121,7 @@ def load_op(name: str, builder: Any, say: Callable[[str], None] = say) -> Any:
         try:
             with op_cache():
                 return builder.load(verbose=False)
-        except Exception:
+        except Exception:  # re-raised, unless a dead build's lock was cleared meanwhile: then one retry
             if watch.cleared.is_set() and attempt == 0:
                 say(f"retrying the build of {name} after clearing the dead build's lock")
                 _compat.forget_jit_extension(name)  # else torch skips a name it has seen once in this process

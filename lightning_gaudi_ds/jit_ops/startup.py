@@ -109,7 +109,7 @@ def prepare_startup(
                 load_op(CPU_ADAM, builder, say)
             except BuildLockError:
                 raise
-            except Exception as err:
+            except Exception as err:  # re-raised, with the way out (a compiler, or no offload)
                 raise RuntimeError(
                     f"ZeRO-Offload needs DeepSpeed's {CPU_ADAM} op, which could not be built: {short_error(err)}."
                     f" Install a C++ compiler and ninja, then run `{BUILD_COMMAND}`; or train without offload"

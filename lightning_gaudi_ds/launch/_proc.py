@@ -39,9 +39,9 @@ MPI_RANK_KEYS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORL
 MPI_SIZE_KEYS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
 
 
-def say(message: str) -> None:
-    """One line on stderr, prefixed with the command's name."""
-    sys.stderr.write(f"{PREFIX} {message}\n")
+def say(message: str, prefix: str = PREFIX) -> None:
+    """One line on stderr, prefixed with the command's name (or ``prefix``)."""
+    sys.stderr.write(f"{prefix} {message}\n")
     sys.stderr.flush()
 
 

@@ -150,7 +150,7 @@ def resolve(
     rendezvous_timeout: float | None = None,
 ) -> LaunchSpec:
     """Check the arguments together (reading the hostfile) and pick the launcher; ``ValueError`` says what to fix."""
-    if hpu_mode not in (None, "eager", "lazy"):
+    if hpu_mode not in (None, *hpu.MODES):
         raise ValueError(f"hpu_mode={hpu_mode!r}: pass 'eager' (torch.compile, Habana's default) or 'lazy' (legacy"
                          " mark_step mode), or leave it unset to use PT_HPU_LAZY_MODE (unset: eager).")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:

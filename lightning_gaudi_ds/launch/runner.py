@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from lightning_gaudi_ds import hpu
 from lightning_gaudi_ds.launch import plan
 from lightning_gaudi_ds.launch._proc import free_port, is_local_address, port_in_use, say
 from lightning_gaudi_ds.launch.hostfile import Host
@@ -390,7 +391,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min_nodes", type=int, default=None,
                         help="with --hostfile and --max_restarts: a restart leaves out hosts that do not answer ssh"
                              " if at least M hosts remain; the ranks reshard the checkpoint (default: every host)")
-    parser.add_argument("--hpu_mode", choices=("eager", "lazy"), default=None,
+    parser.add_argument("--hpu_mode", choices=hpu.MODES, default=None,
                         help="Gaudi execution mode for every rank (default: PT_HPU_LAZY_MODE, unset = eager)")
     parser.add_argument("-m", "--module", action="store_true", help="the script is a module name (python -m)")
     parser.add_argument("training_script", help="the script to run on every rank")

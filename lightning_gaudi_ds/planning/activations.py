@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_gaudi_ds._compat import TorchDispatchMode
-from lightning_gaudi_ds.planning.memory import HALF_PRECISIONS
+from lightning_gaudi_ds.precisions import PRECISION_DTYPES
 
 
 class _MallInfo2(ctypes.Structure):
@@ -117,8 +117,7 @@ def measure_activation_bytes(
     holds it; the loss is the output's ``loss`` when it has one, else the mean of the (first) output.
     """
     dev = torch.device(device) if device is not None else next(module.parameters()).device
-    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision in HALF_PRECISIONS \
-        else torch.float32
+    dtype = getattr(torch, PRECISION_DTYPES.get(precision, "float32"))
     module.to(device=dev, dtype=dtype).train()
     handles = [p.register_post_accumulate_grad_hook(_drop_grad) for p in module.parameters() if p.requires_grad]
     inputs = _cast_inputs(inputs, dev, dtype)

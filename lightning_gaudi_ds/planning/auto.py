@@ -1,8 +1,8 @@
 """``stage="auto"``: the fastest ZeRO configuration that fits the real model on the real devices.
 
-Pure functions of a module and numbers: the strategy gathers the facts (devices, precision, memory), calls
-:func:`plan_for_module`, agrees on one choice across ranks and writes it into its config with
-:func:`apply_choice`.
+Functions of a module and numbers: the strategy's config (:class:`~lightning_gaudi_ds.config.state.StrategyConfig`)
+gathers the facts (devices, precision, memory), rank 0 plans and chooses with :func:`decide`, the
+:class:`Decision` is broadcast, and every rank writes it into its config with :func:`adopt`.
 """
 
 from __future__ import annotations
@@ -59,11 +59,12 @@ def activation_bytes_of(module: nn.Module, precision: str, device: Any) -> int:
     import copy
 
     from lightning_gaudi_ds._compat import attached_trainer
+    from lightning_gaudi_ds.errors import ConfigError
     from lightning_gaudi_ds.planning.activations import measure_activation_bytes
 
     inputs = getattr(module, "example_input_array", None)
     if inputs is None:
-        raise ValueError(
+        raise ConfigError(
             f"measure_activations=True runs one micro batch through {type(module).__name__}, and it has no"
             " `example_input_array`. Set `self.example_input_array = <one micro batch>` in its __init__, or drop"
             " measure_activations."
@@ -134,6 +135,14 @@ def pending(config: Any) -> bool:
     return isinstance(config, Mapping) and (config.get("zero_optimization") or {}).get("stage") == AUTO
 
 
+@dataclass(frozen=True)
+class Decision:
+    """Rank 0's choice, broadcast to every rank: the chosen stage, offload and label, or why none fits."""
+
+    choice: dict[str, Any] | None = None
+    error: str | None = None
+
+
 def decide(
     module: nn.Module,
     auto: AutoStage,
@@ -143,9 +152,8 @@ def decide(
     nodes: int,
     precision: str,
     zero_config: Callable[[], Mapping[str, Any] | None],
-) -> tuple[str, Any]:
-    """Rank 0's choice, as a value to broadcast: ``("ok", row)`` with the chosen stage and offload, or
-    ``("error", message)``. Logs the plan's table and the choice."""
+) -> Decision:
+    """Rank 0's choice, as a value to broadcast. Logs the plan's table and the choice."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
     from lightning_gaudi_ds.planning.detect import detect_device_memory, detect_host_memory
@@ -162,21 +170,20 @@ def decide(
         row = choose(rows)
         rank_zero_info(format_table(rows, type(module).__name__)
                        + f"\nstage='auto' chose {row['label']} (the fastest configuration that fits)")
-        return "ok", {k: row[k] for k in ("stage", "offload_optimizer", "offload_parameters", "label")}
+        return Decision(choice={k: row[k] for k in ("stage", "offload_optimizer", "offload_parameters", "label")})
     except ValueError as err:
-        return "error", str(err)
+        return Decision(error=str(err))
 
 
-def adopt(decision: tuple[str, Any], config: MutableMapping[str, Any]) -> dict[str, Any]:
+def adopt(decision: Decision, config: MutableMapping[str, Any]) -> dict[str, Any]:
     """Write rank 0's :func:`decide` into ``config`` and return the choice; its error is raised on every rank."""
     from lightning_gaudi_ds.errors import ConfigError
 
-    kind, value = decision
-    if kind == "error":
-        raise ConfigError(f"HPUDeepSpeedStrategy(stage='auto'): {value}")
-    assert isinstance(value, dict)
-    apply_choice(config, value)
-    return value
+    if decision.error is not None:
+        raise ConfigError(f"HPUDeepSpeedStrategy(stage='auto'): {decision.error}")
+    assert decision.choice is not None
+    apply_choice(config, decision.choice)
+    return decision.choice
 
 
 def from_strategy_arguments(

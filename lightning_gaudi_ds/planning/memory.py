@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_gaudi_ds.planning.units import format_bytes
+from lightning_gaudi_ds.precisions import HALF_PRECISIONS, PRECISIONS
 
 # Lightning's DeepSpeedStrategy defaults, and DeepSpeed's where Lightning sets none
 LIGHTNING_REDUCE_BUCKET = 200_000_000
@@ -55,8 +56,6 @@ DS_PERSISTENCE_THRESHOLD = 100_000
 DS_MAX_LIVE_PARAMETERS = 1_000_000_000
 
 OPTIMIZER_STATE_BYTES = {"adam": 8.0, "adamw": 8.0, "sgd": 4.0, "adagrad": 4.0, "lamb": 8.0}
-HALF_PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed", "16-true")
-PRECISIONS = ("32-true",) + HALF_PRECISIONS
 DEFAULT_HEADROOM = 0.10
 
 # (stage, offload_optimizer, offload_parameters), fastest first: no offload before offload, lowest stage first
