@@ -16,7 +16,7 @@ import functools
 import inspect
 import os
 from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
@@ -28,7 +28,6 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gaudi_ds import checkpoint as ckpt
-from lightning_gaudi_ds import hf
 from lightning_gaudi_ds._compat import _PATH, _move_state_into
 from lightning_gaudi_ds.config import ConfigError, StrategyConfig, offloads_optimizer
 from lightning_gaudi_ds.devices import device_spec
@@ -154,10 +153,7 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         # partitions (lightning_gaudi_ds.hf).
         if self._unresolved is not None and self.zero_stage_3:
             raise self._unresolved
-        stack = ExitStack()
-        stack.enter_context(hf.zero3_loading(self.config if self.zero_stage_3 else None))
-        stack.enter_context(super().module_sharded_context())
-        return stack
+        return process.zero_init_context(self.config if self.zero_stage_3 else None, super().module_sharded_context)
 
     # ------------------------------------------ engine calls: HPU lazy-mode graph breaks (engine.step)
     backward = engine_call(DeepSpeedStrategy.backward)

@@ -194,7 +194,7 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         # Lightning's zero.Init, with transformers told (from_pretrained loads into the partitions, see hf); resolved
         # first, so that transformers is imported, if at all, before zero.Init patches module construction.
         self._init_config_if_needed()
-        with hf.zero3_loading(self.config if self.zero_stage_3 else None), super().model_sharded_context():
+        with process.zero_init_context(self.config if self.zero_stage_3 else None, super().model_sharded_context):
             yield
 
     def _deepspeed_args(self) -> argparse.Namespace:

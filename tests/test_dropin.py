@@ -127,6 +127,30 @@ def test_model_sharded_context_partitions_only_under_zero3(stage: int) -> None:
     zero_init.assert_called_once_with(enabled=stage == 3, remote_device=None, config_dict_or_path=mock.ANY)
 
 
+def test_zero_init_starts_in_the_environments_op_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """zero.Init builds ZeRO-Infinity's NVMe swapper as it starts, which loads the async_io and pin_memory ops: from
+    the op cache the set-up built them in (torch's shared default would build them again), for its start only."""
+    import contextlib
+    import os
+
+    import deepspeed
+
+    from lightning_gaudi_ds.jit_ops.locks import extensions_root
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    seen: list[str | None] = []
+
+    def start(**kwargs: Any) -> contextlib.AbstractContextManager[None]:
+        seen.append(os.environ.get("TORCH_EXTENSIONS_DIR"))
+        return contextlib.nullcontext()
+
+    strategy = HPUDeepSpeedStrategy(stage=3)
+    _trainer(accelerator="cpu", strategy=strategy)
+    with mock.patch.object(deepspeed.zero, "Init", side_effect=start), strategy.model_sharded_context():
+        assert "TORCH_EXTENSIONS_DIR" not in os.environ  # the user's configure_model runs without it
+    assert seen == [str(extensions_root())] and "TORCH_EXTENSIONS_DIR" not in os.environ
+
+
 @pytest.mark.parametrize("platform", ["Linux", "Windows"])
 def test_distributed_environment_variables(platform: str) -> None:
     import deepspeed

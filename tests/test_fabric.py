@@ -142,6 +142,30 @@ def test_init_module_under_zero3_says_which_auto_it_cannot_fill_yet() -> None:
         strategy.module_sharded_context()
 
 
+def test_init_module_starts_zero_init_in_the_environments_op_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the Trainer's: zero.Init (ZeRO-Infinity's swapper loads async_io and pin_memory) starts in the op cache."""
+    import contextlib
+    from unittest import mock
+
+    import deepspeed
+
+    from lightning_gaudi_ds.jit_ops.locks import extensions_root
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    seen: list[str | None] = []
+
+    def start(**kwargs: Any) -> contextlib.AbstractContextManager[None]:
+        seen.append(os.environ.get("TORCH_EXTENSIONS_DIR"))
+        return contextlib.nullcontext()
+
+    strategy = Fabric(accelerator="cpu", devices=1, strategy=HPUDeepSpeedStrategy(stage=3)).strategy
+    strategy._format_config()
+    strategy._config_initialized = True  # as Fabric's setup_environment leaves it
+    with mock.patch.object(deepspeed.zero, "Init", side_effect=start), strategy.module_sharded_context():
+        assert "TORCH_EXTENSIONS_DIR" not in os.environ
+    assert seen == [str(extensions_root())] and "TORCH_EXTENSIONS_DIR" not in os.environ
+
+
 # --------------------------------------------------------------------------- Gaudi wiring (test double)
 def hpu_fabric(**kwargs: Any) -> Fabric:
     kwargs.setdefault("strategy", HPUDeepSpeedStrategy(stage=2))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
@@ -32,6 +33,7 @@ from lightning_gaudi_ds.config.validate import check_before_launch, check_device
 from lightning_gaudi_ds.devices import DeviceSpec, device_spec
 from lightning_gaudi_ds.engine import checkpointing, shutdown
 from lightning_gaudi_ds.engine.device import DeviceRuntime
+from lightning_gaudi_ds.jit_ops.locks import op_cache
 from lightning_gaudi_ds.jit_ops.startup import prepare_startup
 from lightning_gaudi_ds.launch._proc import NUM_NODES_ENV
 from lightning_gaudi_ds.launch.environments import (
@@ -125,6 +127,17 @@ class StrategyCommon:
     def teardown(self) -> None:
         super().teardown()  # type: ignore[misc]
         self._runtime.teardown()
+
+
+def zero_init_context(config: dict[str, Any] | None, start: Callable[[], AbstractContextManager[Any]]) -> ExitStack:
+    """The base strategy's sharded-construction context (``start``: ZeRO-3's ``zero.Init``) with transformers told
+    (:func:`hf.zero3_loading`; ``config`` None below ZeRO-3), entered in the op cache: ``zero.Init`` builds
+    ZeRO-Infinity's NVMe swapper as it starts, which loads the async_io and pin_memory ops where the set-up built
+    them (outside it, torch's shared default: a JIT build there, and a hang on its lock if that build is killed)."""
+    with ExitStack() as stack, op_cache():  # a failing start leaves nothing entered
+        stack.enter_context(hf.zero3_loading(config))
+        stack.enter_context(start())
+        return stack.pop_all()
 
 
 def adopt_launcher(strategy: Any) -> None:

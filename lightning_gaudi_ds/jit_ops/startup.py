@@ -33,7 +33,7 @@ from lightning_gaudi_ds.jit_ops.build import (
     say,
     short_error,
 )
-from lightning_gaudi_ds.jit_ops.locks import BuildLockError, clear_stale_locks
+from lightning_gaudi_ds.jit_ops.locks import BuildLockError, clear_stale_locks, scan_locks
 
 SHM_MODE_ENV = "LIGHTNING_GAUDI_DS_SHM_COMM"
 SHM_MODES = ("off", "on")
@@ -89,8 +89,10 @@ def prepare_startup(
     with a message). ``shm_comm`` is the shm mode (default: ``LIGHTNING_GAUDI_DS_SHM_COMM``, else off);
     ``local_size`` the ``LOCAL_SIZE`` DeepSpeed's shm op will see at ``init_distributed`` (default: the variable).
     """
-    # Ops this run does not load only get a warning for a lock that cannot be judged; loaded ones raise.
-    cleared = [str(i.path) for i in clear_stale_locks(tuple(OPS), say, strict=False) if i.state == "stale"]
+    # Ops this run does not load only get a warning for a lock that cannot be judged; loaded ones raise. Every op
+    # of the cache, not only those the set-up builds: ZeRO-Infinity's zero.Init loads pin_memory with async_io.
+    names = tuple(dict.fromkeys([*OPS, *(info.path.parent.name for info in scan_locks())]))
+    cleared = [str(i.path) for i in clear_stale_locks(names, say, strict=False) if i.state == "stale"]
     if deepspeed_accelerator == "cpu":
         if local_size is None and os.environ.get("LOCAL_SIZE", "").isdigit():
             local_size = int(os.environ["LOCAL_SIZE"])
