@@ -52,9 +52,10 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 class BenchModule(L.LightningModule):
     """The LightningModule every Trainer arm trains."""
 
-    def __init__(self, size: ModelSize) -> None:
+    def __init__(self, size: ModelSize, fused: bool = False) -> None:
         super().__init__()
         self.size = size
+        self.fused = fused
         self.net: Optional[nn.Sequential] = None
 
     def configure_model(self) -> None:
@@ -71,8 +72,9 @@ class BenchModule(L.LightningModule):
         return loss_fn(self(x), y)
 
     def configure_optimizers(self) -> Any:
-        # with ZeRO-Offload the strategy swaps this for DeepSpeed's CPU Adam (same update rule)
-        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        # with ZeRO-Offload the strategy swaps this for DeepSpeed's CPU Adam (same update rule); under ZeRO on CPU
+        # it turns on fused=True where this leaves it to torch (None)
+        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True if self.fused else None)
 
 
 def make_dataset(size: ModelSize, samples: int) -> TensorDataset:

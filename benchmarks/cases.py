@@ -8,6 +8,7 @@ from typing import Any
 @dataclass(frozen=True)
 class Arm:
     stage: int | None  # None: Lightning's DDPStrategy
+    fused: bool = False  # configure_optimizers returns AdamW(fused=True) (else torch's choice: fused=None)
     offload_optimizer: bool = False
     offload_parameters: bool = False
     # zero_optimization keys set in the config; every other communication setting is the device's default
@@ -19,6 +20,8 @@ class Arm:
 
 ARMS: dict[str, Arm] = {
     "ddp": Arm(None, label="Lightning DDP", short="DDP"),
+    # DDP with torch's fastest CPU AdamW: the fair reference for ZeRO, which the strategy fuses on CPU itself
+    "ddp_fused": Arm(None, fused=True, label="Lightning DDP, AdamW(fused=True)", short="DDP\nfused"),
     "z0": Arm(0, label="ZeRO-0", short="Z0"),
     "z1": Arm(1, label="ZeRO-1", short="Z1"),
     "z2": Arm(2, label="ZeRO-2", short="Z2"),

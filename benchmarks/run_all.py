@@ -27,7 +27,7 @@ from cases import FLIPPED, Case  # noqa: E402
 from launch import run_one, run_ranks  # noqa: E402
 
 WORLD = 2
-SPEED_ARMS = ("ddp", "z0", "z1", "z2", "z3", "z2_offload", "z3_offload")
+SPEED_ARMS = ("ddp", "ddp_fused", "z0", "z1", "z2", "z3", "z2_offload", "z3_offload")
 SWEEP_ARMS = ("ddp", "z0", "z1", "z2", "z3")
 EXTRA_ARMS = ("z2_offload", "z3_offload", "z1_allreduce", "z2_allreduce", "z2_overlap", "z2_nocontig",
               "z3_overlap")  # main size only

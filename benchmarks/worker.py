@@ -219,7 +219,7 @@ def run_memory(case: Case, rank: int, world: int) -> dict[str, Any]:
     reset_peak_rss()
     rss_start = rss_bytes()
     heap_start = heap_in_use()
-    module = module or BenchModule(size)
+    module = module or BenchModule(size, fused=case.spec.fused)
     trainer = make_trainer(case, make_strategy(case), [probe], world)
     t0 = time.perf_counter()
     trainer.fit(module, loader)
@@ -245,13 +245,14 @@ def run_memory(case: Case, rank: int, world: int) -> dict[str, Any]:
 class RawArm:
     """The same training written by hand: ``deepspeed.initialize`` (or torch DDP) and a plain loop."""
 
-    def __init__(self, case: Case, config: Optional[dict[str, Any]], rank: int, world: int) -> None:
+    def __init__(self, case: Case, config: Optional[dict[str, Any]], rank: int, world: int, fused: bool) -> None:
         from torch.utils.data import DataLoader
         from torch.utils.data.distributed import DistributedSampler
 
         size = ModelSize(case.hidden, case.layers)
         self.case = case
         self.bf16 = case.precision.startswith("bf16")
+        self.fused = fused
         dataset = make_dataset(size, case.batch_size * world * (case.steps + 1))
         sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
         self.loader = DataLoader(dataset, batch_size=case.batch_size, sampler=sampler, drop_last=True)
@@ -259,7 +260,8 @@ class RawArm:
         if case.stage is None:
             torch.manual_seed(SEED)
             self.net: Any = torch.nn.parallel.DistributedDataParallel(build_net(size))
-            self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+            self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
+                                               fused=True if fused else None)
             self.engine = None
         else:
             import deepspeed
@@ -272,8 +274,9 @@ class RawArm:
                 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
                 optimizer: Any = DeepSpeedCPUAdam(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=True)
-            else:
-                optimizer = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+            else:  # fused as the strategy made the Trainer's (on CPU, lightning_gaudi_ds.engine.train.fuse_on_cpu)
+                optimizer = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
+                                              fused=True if fused else None)
             self.engine, _, _, _ = deepspeed.initialize(
                 model=net, optimizer=optimizer, model_parameters=list(net.parameters()), config=config,
                 dist_init_required=False,
@@ -337,8 +340,13 @@ class PairedTimer(L.Callback):
         self.raw_phases: list[dict[str, float]] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from meter import inner_optimizer
+
         config = copy.deepcopy(getattr(trainer.strategy, "config", None))
-        self.arm = RawArm(self.case, config, self.rank, self.world)
+        engine = engine_of(trainer)
+        inner = inner_optimizer(engine.optimizer if engine is not None else trainer.optimizers[0])
+        fused = any(group.get("fused") for group in inner.param_groups)
+        self.arm = RawArm(self.case, config, self.rank, self.world, fused)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         self.starts.append(time.perf_counter())
@@ -374,7 +382,7 @@ def run_speed(case: Case, rank: int, world: int) -> dict[str, Any]:
     loader = make_loader(make_dataset(size, case.batch_size * world * (case.steps + 1)), case.batch_size)
     timer = PairedTimer(case, rank, world)
     trainer = make_trainer(case, make_strategy(case), [timer], world)
-    trainer.fit(BenchModule(size), loader)
+    trainer.fit(BenchModule(size, fused=case.spec.fused), loader)
     w = case.warmup
     return {
         "params": size.params,
@@ -385,6 +393,7 @@ def run_speed(case: Case, rank: int, world: int) -> dict[str, Any]:
         "trainer_phases": timer.trainer_phases[w:len(timer.starts) - 1],
         "raw_phases": timer.raw_phases[w:len(timer.starts) - 1],
         "samples_per_step": case.batch_size * world,
+        "fused": timer.arm is not None and timer.arm.fused,
     }
 
 

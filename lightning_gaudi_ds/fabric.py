@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
 from lightning.fabric.strategies.ddp import DDPStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -133,7 +134,9 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         self._resolver.choose(self, model, precision)
         self.config = self._resolver.resolve_with(self, model, precision)
         if optimizer is not None:
-            optimizer, _ = train.optimizer_sources(self.config, optimizer, None)
+            # Fabric has no resolved-config log: the CPU default for the optimizer is said here
+            device_type = device_spec(self.root_device).device_type
+            optimizer, _ = train.optimizer_sources(self.config, optimizer, None, device_type, rank_zero_info)
         self._runtime.before_engine(model, self.root_device)
         engine, ds_optimizer, ds_scheduler = process.initialize(
             self, process.deepspeed_args(self.root_device, self.local_rank), model, optimizer, scheduler

@@ -427,6 +427,13 @@ class ConfigResolver:
             self._unpublished = (resolved, [*resolved.notes, *hints])
         return resolved.config
 
+    def add_filled(self, line: str) -> None:
+        """A default chosen after resolution (the optimizer's, once ``configure_optimizers`` ran): logged and
+        published with the last fit's filled keys."""
+        if self._unpublished is not None:
+            resolved, hints = self._unpublished
+            self._unpublished = (dataclasses.replace(resolved, filled=(*resolved.filled, line)), hints)
+
     def take_unpublished(self) -> tuple[Resolved, list[str]] | None:
         """The last fit's resolved config and bucket hints, once."""
         pending, self._unpublished = self._unpublished, None
