@@ -581,11 +581,86 @@ class TestOptimizerSources:
         assert type(optimizer).__name__ == "DeepSpeedCPUAdam" and optimizer.adam_w_mode
         assert scheduler_config.scheduler.optimizer is optimizer
 
+    def test_cpu_fuses_adamw_left_to_torch_and_says_so(self) -> None:
+        strategy = _wired({"zero_optimization": {"stage": 2}}, "adamw+sched")
+        filled: list[str] = []
+        strategy._resolver.add_filled = filled.append
+        optimizer, scheduler_config = strategy._client_optimizer_and_scheduler()
+        assert isinstance(optimizer, torch.optim.AdamW)
+        assert [g["fused"] for g in optimizer.param_groups] == [True] and optimizer.defaults["fused"] is True
+        assert scheduler_config.scheduler.optimizer is optimizer
+        assert len(filled) == 1 and filled[0].startswith("optimizer: AdamW(fused=True) from configure_optimizers"
+                                                         " (cpu default: torch's fused CPU kernel")
+
+    def test_offload_is_not_fused(self) -> None:
+        strategy = _wired({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "adamw")
+        filled: list[str] = []
+        strategy._resolver.add_filled = filled.append
+        optimizer, _ = strategy._client_optimizer_and_scheduler()
+        assert type(optimizer).__name__ == "DeepSpeedCPUAdam" and filled == []
+
     def test_offload_keeps_torch_optimizer_when_asked(self) -> None:
         config = {"zero_force_ds_cpu_optimizer": False,
                   "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
         optimizer, _ = _wired(config, "sgd")._client_optimizer_and_scheduler()
         assert isinstance(optimizer, torch.optim.SGD)
+
+
+# --------------------------------------------------------------------------------- torch's fused kernel on CPU
+class TestFuseOnCpu:
+    def _adamw(self, **kwargs: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([{"params": nn.Linear(4, 4).parameters()},
+                                  {"params": nn.Linear(4, 2).parameters(), "lr": 0.5}], lr=0.1, **kwargs)
+
+    @pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
+    def test_left_to_torch_is_fused_and_steps_as_torch_would(self, cls: type) -> None:
+        from lightning_gaudi_ds.engine.train import fuse_on_cpu
+
+        torch.manual_seed(0)
+        model = nn.Linear(8, 8)
+        reference = copy.deepcopy(model)
+        fused, plain = cls(model.parameters(), lr=0.1, weight_decay=0.1), cls(reference.parameters(), lr=0.1,
+                                                                              weight_decay=0.1)
+        line = fuse_on_cpu(fused, "cpu")
+        assert line is not None and line.startswith(f"optimizer: {cls.__name__}(fused=True) from configure_optimizers")
+        assert fused.param_groups[0]["fused"] is True and plain.param_groups[0]["fused"] is None
+        for _ in range(3):
+            for m in (model, reference):
+                m.zero_grad()
+                m(torch.ones(2, 8)).square().sum().backward()
+            fused.step()
+            plain.step()
+        for a, b in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # the same update rule
+
+    @pytest.mark.parametrize("kwargs", [{"fused": False}, {"foreach": True}, {"foreach": False},
+                                        {"differentiable": True}, {"capturable": True}])
+    def test_a_choice_made_is_kept(self, kwargs: dict[str, Any]) -> None:
+        from lightning_gaudi_ds.engine.train import fuse_on_cpu
+
+        optimizer = self._adamw(**kwargs)
+        before = [dict((k, v) for k, v in g.items() if k != "params") for g in optimizer.param_groups]
+        assert fuse_on_cpu(optimizer, "cpu") is None
+        assert [dict((k, v) for k, v in g.items() if k != "params") for g in optimizer.param_groups] == before
+
+    @pytest.mark.parametrize("device_type", ["hpu", "cuda", None])
+    def test_only_on_the_cpu_device(self, device_type: str | None) -> None:
+        from lightning_gaudi_ds.engine.train import fuse_on_cpu
+
+        optimizer = self._adamw()
+        assert fuse_on_cpu(optimizer, device_type) is None
+        assert [g["fused"] for g in optimizer.param_groups] == [None, None]
+
+    def test_other_optimizers_and_subclasses_are_left_alone(self) -> None:
+        from lightning_gaudi_ds.engine.train import fuse_on_cpu
+
+        class MyAdamW(torch.optim.AdamW):
+            pass
+
+        params = list(nn.Linear(4, 4).parameters())
+        assert fuse_on_cpu(torch.optim.SGD(params, lr=0.1), "cpu") is None
+        assert fuse_on_cpu(MyAdamW(params, lr=0.1), "cpu") is None
+        assert fuse_on_cpu(None, "cpu") is None
 
 
 # --------------------------------------------------------------------------------- CPU Adam conversion

@@ -52,6 +52,9 @@ def test_seed_config_verbatim_from_env_var(tmp_path: Path) -> None:
     assert r["config"] == {**seed, "train_batch_size": 16, "train_micro_batch_size_per_gpu": 8,
                            "gradient_accumulation_steps": 1}
     assert (r["zero_stage"], r["gradient_clipping"], r["basic_optimizer"]) == (2, 1.0, "AdamW")
+    # on CPU the AdamW that left fused to torch steps ZeRO's partition with torch's fused kernel, and the log says so
+    assert r["fused"] == [True]
+    assert result.output.count("optimizer: AdamW(fused=True) from configure_optimizers (cpu default:") == 1
 
 
 @pytest.mark.parametrize("name", ["zero1_bf16", "zero3_bf16"])

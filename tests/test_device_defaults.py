@@ -83,6 +83,18 @@ def test_lightning_default_config_takes_the_device_defaults() -> None:
     assert passed.resolve(passed.start(lightning_default, hidden=None), ctx("cpu"))[Z]["overlap_comm"] is True
 
 
+def test_a_default_chosen_after_resolution_is_published_with_the_filled_keys() -> None:
+    """The optimizer's CPU default is known once configure_optimizers ran, after resolution: it joins the log."""
+    resolver = ConfigResolver({"stage": 2})
+    resolver.add_filled("not yet resolved: nothing to join")  # no pending fit: nothing happens
+    resolver.resolve(resolver.start({Z: {"stage": 2}}, hidden=None), ctx("cpu"))
+    resolver.add_filled("optimizer: AdamW(fused=True) (cpu default)")
+    pending = resolver.take_unpublished()
+    assert pending is not None and pending[0].filled[-1] == "optimizer: AdamW(fused=True) (cpu default)"
+    assert not any("not yet resolved" in line for line in pending[0].filled)
+    assert resolver.take_unpublished() is None
+
+
 def test_strategy_resolves_with_its_device() -> None:
     import lightning as L
     from torch import nn

@@ -85,11 +85,13 @@ def test_formulas_in_bytes_per_parameter(n):
 
 def test_the_optimizer_step_and_backward_are_apart():
     spec = ModelSpec(params=8_000_000, hidden_size=1000, param_numels=(1_000_000,) * 8)
-    rows = {(r["stage"], r["offload_optimizer"]): r for r in plan_memory(spec, devices=4)}
+    rows = {(r["stage"], r["offload_optimizer"]): r for r in plan_memory(spec, devices=4, device_type="cuda")}
     # Adam's two fp32 temporaries: of the flat partition (ZeRO-1/2/3), of the largest parameter (ZeRO-0)
     assert rows[(1, False)]["step_temporary_bytes"] == 8 * 2_000_000
     assert rows[(0, False)]["step_temporary_bytes"] == 8 * 1_000_000
     assert rows[(2, True)]["step_temporary_bytes"] == 0  # DeepSpeed's CPU Adam steps on the host
+    # on the CPU device the strategy fuses Adam/AdamW (torch's fused kernel makes no temporaries)
+    assert {r["step_temporary_bytes"] for r in plan_memory(spec, devices=4, device_type="cpu")} == {0}
     (sgd,) = plan_memory(spec, devices=4, optimizer="sgd", configurations=[(1, False, False)])
     assert sgd["step_temporary_bytes"] == 0
     for row in rows.values():
@@ -176,12 +178,12 @@ def test_activations_are_added_to_the_device_side():
 
 # ------------------------------------------------------------------------------------------ the choice
 def test_choice_takes_the_lowest_stage_without_offload_first():
-    # 1e9 parameters on 8 ranks, bf16-mixed, Adam, Lightning's 2e8-element buckets; the larger of backward and
+    # 1e9 parameters on 8 Gaudis, bf16-mixed, Adam, Lightning's 2e8-element buckets; the larger of backward and
     # step: ZeRO-0 20 GB (step), ZeRO-1/2 5.0 GB (4 GB + Adam's 1 GB of temporaries), ZeRO-3 3.9 GB (2.5 + 0.4
     # bucket + 1), ZeRO-1/2 + offload 2.8 GB (backward: 2 GB + 0.8 GB of buckets), ZeRO-3 + offload 0.75 GB
     for memory, expected in (("24GiB", (0, False)), ("8GiB", (1, False)), ("5GiB", (3, False)), ("4GiB", (1, True)),
                              ("2GiB", (3, True))):
-        rows = plan_memory(1e9, devices=8, device_memory=memory, host_memory="512GiB")
+        rows = plan_memory(1e9, devices=8, device_memory=memory, host_memory="512GiB", device_type="hpu")
         chosen = choose(rows)
         assert (chosen["stage"], chosen["offload_optimizer"]) == expected, memory
         assert all(not r["fits"] for r in rows[: rows.index(chosen)])

@@ -286,11 +286,13 @@ OPTIMIZER_TEMPORARIES = {"adam": 2, "adamw": 2, "lamb": 2, "adagrad": 1, "sgd": 
 
 
 def step_temporary_bytes(stage: int, optimizer: str, spec: ModelSpec, world_size: int,
-                         offload_optimizer: bool = False) -> int:
+                         offload_optimizer: bool = False, device_type: str | None = None) -> int:
     """fp32 temporaries of the torch optimizer's update: Adam's single-tensor step (torch's default off CUDA)
     holds ``sqrt(v)`` and ``sqrt(v) / bias_correction`` of the tensor it updates. ZeRO-1/2/3 step one flat fp32
-    partition of Ψ/N elements, ZeRO-0 one parameter at a time. DeepSpeed's CPU Adam (offload) needs none."""
-    if offload_optimizer:
+    partition of Ψ/N elements, ZeRO-0 one parameter at a time. DeepSpeed's CPU Adam (offload) needs none, nor
+    torch's fused kernel, which the strategy picks for Adam/AdamW on the CPU device
+    (:func:`lightning_gaudi_ds.engine.train.fuse_on_cpu`)."""
+    if offload_optimizer or (device_type == "cpu" and optimizer.lower() in ("adam", "adamw")):
         return 0
     elements = spec.largest_param if stage == 0 else spec.params / world_size
     return int(4 * OPTIMIZER_TEMPORARIES.get(optimizer.lower(), 2) * elements)
@@ -382,6 +384,10 @@ def plan_memory(
         raise ValueError(f"headroom={headroom!r} must lie in [0, 1): the fraction of memory kept free")
     dev_mem = parse_bytes(device_memory, "device_memory") if device_memory is not None else None
     host_mem = parse_bytes(host_memory, "host_memory") if host_memory is not None else None
+    if device_type is None:
+        from lightning_gaudi_ds.devices import detect_device_type
+
+        device_type = detect_device_type()
     buckets = buckets or Buckets.for_model(spec.hidden_size, device_type=device_type)
     world = devices * nodes
     psi = float(spec.params)
@@ -400,7 +406,7 @@ def plan_memory(
             dev_parts["buffers"] += int(buckets.reduce_bucket_size * p)  # ipg bucket, allocated once
         dev_states, host_states = sum(dev_parts.values()), sum(host_parts.values())
         step_only = int(round(step_only_bytes(stage, precision, world, off_opt, param_groups) * psi))
-        temporaries = step_temporary_bytes(stage, optimizer, spec, world, off_opt)
+        temporaries = step_temporary_bytes(stage, optimizer, spec, world, off_opt, device_type)
         backward_peak = dev_states - step_only + transient + (activation_bytes or 0)
         step_peak = dev_states + temporaries
         device_bytes = max(backward_peak, step_peak)

@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         "chosen_configuration": getattr(trainer.strategy, "chosen_configuration", None),
         "basic_optimizer": type(basic).__name__ if basic is not None else None,
         "adam_w_mode": getattr(basic, "adam_w_mode", None),
+        "fused": [g.get("fused") for g in basic.param_groups] if basic is not None else None,
     }
     if engine is not None:
         result.update(
