@@ -664,7 +664,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
 
 def main(argv: list[str] | None = None) -> int:
     args, s = parse(argv)
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # absolute: the trials meet through file:// stores under it
     if args.rank_worker:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         from worker import preload

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     settings = Settings.from_args(args)
-    out: Path = args.out or (HERE / "results" / ("quick" if args.quick else ""))
+    out: Path = (args.out or (HERE / "results" / ("quick" if args.quick else ""))).resolve()  # file:// stores
     raw = out / "raw"
     if args.report_only:
         from report import write_report
