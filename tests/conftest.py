@@ -1,6 +1,7 @@
 """Session-wide test settings."""
 
 import os
+from collections.abc import Iterator
 
 # With mpi4py installed, Lightning's MPIEnvironment.detect() initialises MPI in the test process itself; an
 # isolated singleton keeps Open MPI from starting a helper daemon (orted) that would outlive the test that made it.
@@ -23,6 +24,36 @@ FORK_TIER = (
 # Left to the main tier: examples/generate.py's CLI wiring (80 s) does not depend on DeepSpeed's version; the
 # tensor-parallel engine it drives is in the 0.16.1 tier through the other tests of tests/test_inference.py.
 NOT_FORK_TIER = ("tests/test_inference.py::test_generate_example_same_text_on_two_ranks_as_on_one",)
+
+
+# Variables Lightning's own code writes into the test process: its launcher and cluster environments (a Trainer built
+# with devices > 1 in-process), seed_everything, Trainer(deterministic=True), its CPU thread default.
+LIGHTNING_WRITES = frozenset({
+    "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS",
+})
+
+
+@pytest.fixture(autouse=True)
+def environ_as_it_was() -> Iterator[None]:
+    """Every test ends with ``os.environ`` as it began, as Lightning's own test harness demands. What Lightning's code
+    wrote is put back; anything else a test leaves behind fails it: the package promises not to touch the
+    environment, so a leak from it is a bug."""
+    own = "PYTEST_CURRENT_TEST"  # pytest's, set per phase
+    before = {k: v for k, v in os.environ.items() if k != own}
+    yield
+    after = {k: v for k, v in os.environ.items() if k != own}
+    if after == before:
+        return
+    changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+    for key in changed:
+        if key in before:
+            os.environ[key] = before[key]
+        else:
+            del os.environ[key]
+    foreign = sorted(changed - LIGHTNING_WRITES)
+    if foreign:
+        pytest.fail(f"the test changed os.environ: {', '.join(foreign)} (restored)")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -76,7 +76,7 @@ def to_cpu_adam(optimizer: Optimizer, scheduler: Any | None = None) -> DeepSpeed
     return cpu_adam
 
 
-#: Why :func:`fuse_on_cpu` picks torch's fused kernel (``benchmarks/README.md``, "ZeRO's optimizer step on CPU").
+#: Why :func:`fuse_on_cpu` picks torch's fused kernel (``benchmarks/README.md``: "Where ZeRO is slower than DDP").
 FUSED_ON_CPU = (
     "cpu default: torch's fused CPU kernel steps ZeRO's flat fp32 partition in one pass without temporaries, where"
     " the per-tensor loop torch picks on CPU takes 5.8x as long (12.6M parameters: 15.5 vs 90.6 ms on one core);"
