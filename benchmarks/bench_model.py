@@ -74,7 +74,8 @@ class BenchModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         # with ZeRO-Offload the strategy swaps this for DeepSpeed's CPU Adam (same update rule); under ZeRO on CPU
         # it turns on fused=True where this leaves it to torch (None)
-        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True if self.fused else None)
+        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
+                                 fused=True if self.fused else None)
 
 
 def make_dataset(size: ModelSize, samples: int) -> TensorDataset:

@@ -532,7 +532,8 @@ def write_report(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) ->
             _fmt(r["ratio_to_ddp"]), _fmt(r["paper_ratio"]), _fmt(r["of_paper"]),
             f"{r['planner_params']:,}" if r["planner_params"] is not None else "not modeled",
             _fmt(r["planner_error"], "+.1%"),
-            f"{r['planner_free_params']:,}" if r["planner_free_params"] else "–", _fmt(r["planner_free_error"], "+.1%"),
+            f"{r['planner_free_params']:,}" if r["planner_free_params"] else "–",
+            _fmt(r["planner_free_error"], "+.1%"),
             format_bytes(peak) if peak else "–",
             format_bytes(r["baseline_peak_bytes"]) if r.get("baseline_peak_bytes") else "–",
             _fmt(r["measured_bpp"], ".1f"), _fmt(r["planner_bpp"], ".1f")]) + " |")
@@ -642,7 +643,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     p.add_argument("--trial-timeout", type=float, default=300.0)
     p.add_argument("--nvme-dir", default="", help="local directory for NVMe offload (default: under --out)")
     p.add_argument("--mmap-threshold", default=None, help="pin glibc's mmap threshold in every trial (e.g. 64KiB):"
-                   " freed tensors leave the process at once (default 0: glibc's dynamic threshold)")
+                   " freed tensors leave the process at once (default: glibc's dynamic threshold)")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--no-readme", action="store_true", help="do not rewrite benchmarks/README.md's section")
@@ -658,7 +659,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     s = Settings(worlds=tuple(args.world), configs=tuple(args.configs), cap=parse_bytes(args.cap, "--cap"),
                  hidden=args.hidden, batch_size=args.batch_size, steps=args.steps, tolerance=args.tolerance,
                  max_ratio=args.max_ratio, max_layers=args.max_layers, trial_timeout=args.trial_timeout,
-                 nvme_dir=args.nvme_dir, mmap_threshold=parse_bytes(args.mmap_threshold, "--mmap-threshold") if args.mmap_threshold else 0)
+                 nvme_dir=args.nvme_dir,
+                 mmap_threshold=parse_bytes(args.mmap_threshold, "--mmap-threshold") if args.mmap_threshold else 0)
     return args, s
 
 
@@ -681,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
         # allocates, not for the collector touching the imports.
         gc.collect()
         gc.freeze()
-        return search_rank(s, rank, world, Path(args.out))
+        return search_rank(s, rank, world, out)
     if args.report_only:
         lines = [json.loads(x) for x in (out / "capacity.jsonl").read_text().splitlines()]
         meta = next(x for x in lines if x["type"] == "meta")
