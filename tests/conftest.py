@@ -68,3 +68,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.fork_tier)
         if "slow" in item.keywords and not soak:
             item.add_marker(pytest.mark.skip(reason="a soak loop: run with --soak"))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``LGDS_SUITE_TIMES=<folder>``, each test phase's duration goes to ``<folder>/tests.jsonl``: with the job
+    times from tests/procs.py, what benchmarks/suite.py tabulates."""
+    folder = os.environ.get("LGDS_SUITE_TIMES")
+    if not folder:
+        return
+    import json
+
+    with open(os.path.join(folder, "tests.jsonl"), "a") as f:
+        f.write(json.dumps({"test": report.nodeid, "phase": report.when, "seconds": round(report.duration, 3),
+                            "outcome": report.outcome}) + "\n")

@@ -61,11 +61,12 @@ def run_job(
     cwd: Optional[Path] = None,
 ) -> JobResult:
     """Run ``args`` in a new session; on time-out kill the whole process group (and only it)."""
-    start = time.monotonic()
+    start, start_wall = time.monotonic(), time.time()
+    full_env = job_env({**_timing_env(), **(env or {})})
     proc = subprocess.Popen(
         list(args),
         cwd=str(cwd or REPO),
-        env=job_env(env),
+        env=full_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -86,7 +87,9 @@ def run_job(
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-    return JobResult(proc.returncode, output or "", time.monotonic() - start, timed_out)
+    seconds = time.monotonic() - start
+    _record_job(args, full_env, start_wall, seconds, warm=False)
+    return JobResult(proc.returncode, output or "", seconds, timed_out)
 
 
 def kill_group(pgid: int) -> None:
@@ -104,6 +107,37 @@ def run_train_job(out: Path, *job_args: str, timeout: float = 300, env: Optional
     files = sorted(out.glob("rank*.json"))
     assert files, f"no results written under {out}"
     return [json.loads(f.read_text()) for f in files]
+
+
+TIMES_ENV = "LGDS_SUITE_TIMES"  # a folder: record every job's wall time and start-up there (benchmarks/suite.py)
+FIRST_STEP_ENV = "LGDS_FIRST_STEP_FILE"  # per job: each rank appends the wall-clock time of its first optimizer step
+
+
+def _timing_env() -> dict[str, str]:
+    """The first-step file a timed job's ranks write to (tests/jobs/common.start_process); empty when not timing."""
+    folder = os.environ.get(TIMES_ENV)
+    if not folder:
+        return {}
+    return {FIRST_STEP_ENV: str(Path(folder) / "steps" / f"{uuid.uuid4().hex}.txt")}
+
+
+def _record_job(args: Sequence[str], env: Mapping[str, str], start_wall: float, seconds: float, warm: bool) -> None:
+    """Append one job's times to ``$LGDS_SUITE_TIMES/jobs.jsonl`` (only when that variable is set)."""
+    folder = os.environ.get(TIMES_ENV)
+    step_file = env.get(FIRST_STEP_ENV)
+    if not folder or not step_file:
+        return
+    first = None
+    try:
+        stamps = [float(x) for x in Path(step_file).read_text().split()]
+        first = min(stamps) - start_wall if stamps else None
+    except (OSError, ValueError):
+        pass
+    record = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0], "seconds": round(seconds, 2),
+              "startup": None if first is None else round(first, 2), "warm": warm,
+              "job": " ".join(Path(a).name if i < 2 else a for i, a in enumerate(args[:4]))}
+    with open(Path(folder) / "jobs.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 MARK_ENV = "LGDS_TEST_JOB"  # every process of a LiveJob inherits it: how tests find leftovers
@@ -124,9 +158,10 @@ class LiveJob:
 
     def __post_init__(self) -> None:
         self.lines: list[tuple[float, str]] = []
-        self.start = time.monotonic()
+        self.start, self._start_wall = time.monotonic(), time.time()
+        self._env = job_env({**_timing_env(), **(self.env or {}), MARK_ENV: self.mark})
         self.proc = subprocess.Popen(
-            list(self.args), cwd=str(self.cwd or REPO), env=job_env({**(self.env or {}), MARK_ENV: self.mark}),
+            list(self.args), cwd=str(self.cwd or REPO), env=self._env,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,
         )
@@ -173,7 +208,9 @@ class LiveJob:
             timed_out = True
             self.kill()
         self._reader.join(timeout=10)
-        return JobResult(self.proc.returncode, self.output, time.monotonic() - self.start, timed_out)
+        seconds = time.monotonic() - self.start
+        _record_job(self.args, self._env, self._start_wall, seconds, warm=False)
+        return JobResult(self.proc.returncode, self.output, seconds, timed_out)
 
     def send_signal(self, sig: int) -> None:
         """Signal the job's own process (the launcher or runner), not its group."""

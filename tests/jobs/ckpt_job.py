@@ -30,7 +30,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import RegressionModel, job_parser, make_data, write_result
+from common import RegressionModel, job_parser, make_data, mark_first_step, write_result
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pg-timeout", type=float, default=60, help="process-group timeout, seconds")
     parser.add_argument("--num-nodes", type=int, default=1, help="nodes of the job (the multi-node tier)")
     args = parser.parse_args(argv)
+    mark_first_step()  # timed suite only (benchmarks/suite.py)
 
     torch.set_num_threads(1)
     results = {spec["name"]: fit(spec, args.devices, args.pg_timeout, args.num_nodes)

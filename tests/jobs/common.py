@@ -198,6 +198,26 @@ def start_process() -> None:
     """Every rank: one compute thread (the machine is shared), and the same seed."""
     torch.set_num_threads(1)
     L.seed_everything(42, workers=True)
+    mark_first_step()
+
+
+def mark_first_step() -> None:
+    """When the suite is timed (tests/procs.py sets ``LGDS_FIRST_STEP_FILE``), append this rank's wall-clock time at
+    its first optimizer step there: the end of start-up in benchmarks/results/suite.md. Otherwise nothing."""
+    path = os.environ.get("LGDS_FIRST_STEP_FILE")
+    if not path:
+        return
+    import time
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def first_step(*_: Any) -> None:
+        handle.remove()
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(f"{time.time()}\n")
+
+    handle = register_optimizer_step_pre_hook(first_step)
 
 
 def write_result(out: str | Path, rank: int, result: dict[str, Any]) -> None:

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_gaudi_ds  # noqa: F401
 from lightning_gaudi_ds import HPUDeepSpeedStrategy
+from common import mark_first_step  # noqa: E402  (the jobs' folder is sys.path[0])
 
 VOCAB, SEQ, BATCH = 128, 16, 4
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -156,6 +157,7 @@ def main() -> None:
     parser.add_argument("--export", action="store_true")
     parser.add_argument("--peft", action="store_true", help="LoRA adapters (get_peft_model) after from_pretrained")
     args = parser.parse_args()
+    mark_first_step()  # timed suite only (benchmarks/suite.py)
     pretrained = args.out / "pretrained"
     if "LOCAL_RANK" not in os.environ:  # the launching process, before Lightning starts the other rank
         make_pretrained(pretrained, args.max_shard_size, args.tied)

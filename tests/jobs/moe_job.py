@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_gaudi_ds  # noqa: F401
 from lightning_gaudi_ds import HPUDeepSpeedStrategy
+from common import mark_first_step  # noqa: E402  (the jobs' folder is sys.path[0])
 
 VOCAB, DIM, EXPERTS, TOKENS = 64, 32, 8, 6
 
@@ -81,6 +82,7 @@ def main() -> None:
     parser.add_argument("--strategy", choices=("zero3", "ddp"), required=True)
     parser.add_argument("--no-leaf", action="store_true")
     args = parser.parse_args()
+    mark_first_step()  # timed suite only (benchmarks/suite.py)
     if args.strategy == "ddp":
         strategy: Any = "ddp_find_unused_parameters_true"
     else:

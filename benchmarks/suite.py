@@ -1,0 +1,115 @@
+"""Where the test suite's time goes: per test, per file, and per job (start-up against the rest).
+
+Time a run, then tabulate it:
+
+    LGDS_SUITE_TIMES=/tmp/suite bash scripts/test.sh          # or any pytest selection
+    python benchmarks/suite.py /tmp/suite --out benchmarks/results/suite.md --title "after"
+
+``tests/conftest.py`` writes each test phase's duration to ``<folder>/tests.jsonl``; ``tests/procs.py`` writes every
+job it starts to ``<folder>/jobs.jsonl``: its wall time, and its start-up, from the job's start to the first optimizer
+step of its first rank (the jobs under tests/jobs mark it; other commands have none). A job that started warm (forked
+from the suite's warm parent, tests/warm.py) says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def _read(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _file(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def tabulate(folder: Path, title: str, top: int = 30) -> str:
+    tests = _read(folder / "tests.jsonl")
+    jobs = _read(folder / "jobs.jsonl")
+    if not tests:
+        raise SystemExit(f"suite.py: no {folder / 'tests.jsonl'}: run the suite with LGDS_SUITE_TIMES={folder} first")
+    per_test: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    outcome: dict[str, str] = {}
+    for row in tests:
+        per_test[row["test"]][row["phase"]] += row["seconds"]
+        if row["phase"] == "call" or row["outcome"] != "passed":
+            outcome[row["test"]] = row["outcome"]
+    per_job: dict[str, list[dict]] = defaultdict(list)
+    for job in jobs:
+        per_job[job["test"]].append(job)
+
+    def wall(t: str) -> float:
+        return sum(per_test[t].values())
+
+    total = sum(wall(t) for t in per_test)
+    n_jobs = len(jobs)
+    job_s = sum(j["seconds"] for j in jobs)
+    timed = [j for j in jobs if j["startup"] is not None]
+    start_s = sum(j["startup"] for j in timed)
+    lines = [
+        f"## {title}",
+        "",
+        f"- {len(per_test)} tests, {total:.0f} s of test time (set-up, call and tear-down of each test; module",
+        "  fixtures count in the set-up of the test that first uses them).",
+        f"- {n_jobs} jobs started ({sum(j['warm'] for j in jobs)} warm), {job_s:.0f} s of job wall time;",
+        f"  {len(timed)} of them mark their first step: {start_s:.0f} s of start-up out of their "
+        f"{sum(j['seconds'] for j in timed):.0f} s.",
+        f"- Outcomes: " + ", ".join(f"{v} {k}" for k, v in sorted(_count(outcome.values()).items())),
+        "",
+        "### By file",
+        "",
+        "| file | tests | seconds | jobs | job s | start-up s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    files: dict[str, list[str]] = defaultdict(list)
+    for t in per_test:
+        files[_file(t)].append(t)
+    for f, ts in sorted(files.items(), key=lambda kv: -sum(wall(t) for t in kv[1])):
+        fj = [j for t in ts for j in per_job.get(t, [])]
+        su = sum(j["startup"] for j in fj if j["startup"] is not None)
+        lines.append(f"| {f} | {len(ts)} | {sum(wall(t) for t in ts):.1f} | {len(fj)} | "
+                     f"{sum(j['seconds'] for j in fj):.1f} | {su:.1f} |")
+    lines += ["", f"### The {top} slowest tests", "",
+              "| test | set-up s | call s | jobs | start-up s (first job) |", "|---|---:|---:|---:|---:|"]
+    for t in sorted(per_test, key=wall, reverse=True)[:top]:
+        tj = per_job.get(t, [])
+        first = next((j["startup"] for j in tj if j["startup"] is not None), None)
+        lines.append(f"| `{t}` | {per_test[t]['setup']:.1f} | {per_test[t]['call']:.1f} | {len(tj)} | "
+                     f"{'—' if first is None else f'{first:.1f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _count(values) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for v in values:
+        out[v] += 1
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", type=Path, help="the LGDS_SUITE_TIMES folder of a timed run")
+    parser.add_argument("--title", default="suite", help="the section's heading")
+    parser.add_argument("--top", type=int, default=30, help="how many of the slowest tests to list (default 30)")
+    parser.add_argument("--out", type=Path, help="append the section to this markdown file (default: print it)")
+    args = parser.parse_args(argv)
+    if args.top < 1:
+        parser.error(f"--top must be at least 1, got {args.top}")
+    text = tabulate(args.folder, args.title, args.top)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(text + "\n")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
