@@ -281,8 +281,10 @@ def test_save_and_load_resume_exactly(fabric_runs: list[dict[str, Any]], stage: 
     for rank in fabric_runs:
         run = rank[f"resume_stage{stage}"]
         assert run["step"] == 2  # the state's plain values come back too
-        assert run["first"] == rank["ddp"]["losses"][:2]
-        assert run["resumed"] == run["continued"]  # other initial weights: only the checkpoint makes them agree
+        # ZeRO against DDP: the same sums in another order (6e-8 apart at step 2 on CI); within 1e-6 as beside it
+        assert run["first"] == pytest.approx(rank["ddp"]["losses"][:2], abs=1e-6, rel=0)
+        assert run["resumed"] == run["continued"]  # the same engine both ways: bit for bit, and only the checkpoint
+        # makes them agree (the resumed run starts from other initial weights)
 
 
 @pytest.mark.multiprocess
