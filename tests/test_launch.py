@@ -23,7 +23,8 @@ from lightning_gaudi_ds.launch import (
 )
 from lightning_gaudi_ds.launch import rank as rank_shim
 from lightning_gaudi_ds.launch import runner as runner_module
-from lightning_gaudi_ds.launch._proc import MPI_RANK_KEYS, MPI_SIZE_KEYS, port_in_use
+from lightning_gaudi_ds.launch import _proc
+from lightning_gaudi_ds.launch._proc import MPI_RANK_KEYS, MPI_SIZE_KEYS, free_port, port_in_use
 from lightning_gaudi_ds.launch.environments import (
     DeepSpeedLauncherEnvironment,
     check_launcher_world_size,
@@ -255,6 +256,15 @@ def test_busy_port_on_a_multi_node_master_is_an_error(tmp_path: Path) -> None:
             node0._choose_port()
         node1 = DistributedRunner(["t.py"], hostfile=hostfile, node_rank=1, master_addr="127.0.0.1", master_port=port)
         assert node1._choose_port() == port  # node 0's agent holds it: that is expected
+
+
+def test_free_port_is_chosen_below_the_ephemeral_range() -> None:
+    # Outgoing connections (mpirun's, ssh's) take source ports from the ephemeral range: a port picked there and
+    # bound seconds later by rank 0 can be gone (EADDRINUSE); below it only an explicit bind takes one.
+    low, _ = _proc._ephemeral_ports()
+    ports = {free_port() for _ in range(5)}
+    assert all((20000 <= p < low) if low > 20000 else p > 0 for p in ports)
+    assert all(port_in_use(p) is False for p in ports)
 
 
 def test_port_check_skips_addresses_of_other_hosts() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import random
 import signal
 import socket
 import sys
@@ -61,9 +62,30 @@ def describe_exit(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' source ports and ``bind(port=0)`` (Linux; IANA's elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port() -> int:
-    """A TCP port that is free on every interface of this host right now (the OS picks it)."""
-    with socket.socket() as s:
+    """A TCP port free on every interface of this host right now, chosen below the kernel's ephemeral range.
+
+    A port the OS hands out for ``bind(0)`` comes from the range every outgoing connection also takes its source
+    port from: in the seconds before rank 0 binds it (mpirun and ssh open connections meanwhile) another process
+    can get it (EADDRINUSE). Below that range only an explicit ``bind`` takes a port, so the pick stays free.
+    """
+    low, _ = _ephemeral_ports()
+    if low > 20000:
+        rng = random.Random()  # its own generator: the user's random state is theirs
+        for port in rng.sample(range(20000, low), min(64, low - 20000)):
+            if port_in_use(port) is False:
+                return port
+    with socket.socket() as s:  # no range below, or nothing free in it: the OS's pick
         s.bind(("", 0))
         return s.getsockname()[1]
 
