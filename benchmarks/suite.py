@@ -61,7 +61,7 @@ def tabulate(folder: Path, title: str, top: int = 30) -> str:
         f"- {n_jobs} jobs started ({sum(j['warm'] for j in jobs)} warm), {job_s:.0f} s of job wall time;",
         f"  {len(timed)} of them mark their first step: {start_s:.0f} s of start-up out of their "
         f"{sum(j['seconds'] for j in timed):.0f} s.",
-        f"- Outcomes: " + ", ".join(f"{v} {k}" for k, v in sorted(_count(outcome.values()).items())),
+        "- Outcomes: " + ", ".join(f"{v} {k}" for k, v in sorted(_count(outcome.values()).items())),
         "",
         "### By file",
         "",

@@ -78,6 +78,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         return
     import json
 
+    os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "tests.jsonl"), "a") as f:
         f.write(json.dumps({"test": report.nodeid, "phase": report.when, "seconds": round(report.duration, 3),
                             "outcome": report.outcome}) + "\n")

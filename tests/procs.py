@@ -15,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from lightning_gaudi_ds.launch._proc import free_port
 
@@ -59,8 +59,16 @@ def run_job(
     timeout: float = 300,
     env: Optional[Mapping[str, str]] = None,
     cwd: Optional[Path] = None,
+    ranks: Optional[int] = None,
 ) -> JobResult:
-    """Run ``args`` in a new session; on time-out kill the whole process group (and only it)."""
+    """Run ``args`` in a new session; on time-out kill the whole process group (and only it).
+
+    ``ranks=N`` (for ``python script ...`` only) starts the job warm: ``N`` ranks forked from the suite's warm server
+    (tests/warm.py), each in the environment Lightning's launcher gives its ranks. Without it, or with
+    ``LGDS_WARM=0``, ``python`` starts cold and the script's Trainer or Fabric launches its own ranks.
+    """
+    if ranks is not None and list(args[:1]) == [sys.executable] and os.environ.get(WARM_ENV, "1") != "0":
+        return WarmServer.get().run(args[1], args[2:], ranks, timeout, env, cwd)
     start, start_wall = time.monotonic(), time.time()
     full_env = job_env({**_timing_env(), **(env or {})})
     proc = subprocess.Popen(
@@ -101,9 +109,21 @@ def kill_group(pgid: int) -> None:
         time.sleep(1.0)
 
 
+def job_ranks(job_args: Sequence[str], default: int = 2) -> int:
+    """The rank count a job's ``--devices`` asks for (tests/jobs/common.job_parser's default: 2)."""
+    args = list(job_args)
+    for i, arg in enumerate(args):
+        if arg == "--devices" and i + 1 < len(args):
+            return int(args[i + 1])
+        if arg.startswith("--devices="):
+            return int(arg.split("=", 1)[1])
+    return default
+
+
 def run_train_job(out: Path, *job_args: str, timeout: float = 300, env: Optional[Mapping[str, str]] = None) -> list[dict]:
-    """Run tests/jobs/train_job.py (Lightning's own launcher starts the other ranks); return per-rank results."""
-    run_job([sys.executable, str(JOBS / "train_job.py"), "--out", str(out), *job_args], timeout, env).check()
+    """Run tests/jobs/train_job.py warm on ``--devices`` ranks; return per-rank results."""
+    run_job([sys.executable, str(JOBS / "train_job.py"), "--out", str(out), *job_args], timeout, env,
+            ranks=job_ranks(job_args)).check()
     files = sorted(out.glob("rank*.json"))
     assert files, f"no results written under {out}"
     return [json.loads(f.read_text()) for f in files]
@@ -138,6 +158,107 @@ def _record_job(args: Sequence[str], env: Mapping[str, str], start_wall: float, 
               "job": " ".join(Path(a).name if i < 2 else a for i, a in enumerate(args[:4]))}
     with open(Path(folder) / "jobs.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+WARM_ENV = "LGDS_WARM"  # "0": every job starts cold, each rank importing torch, Lightning and DeepSpeed itself
+
+
+class WarmServer:
+    """The session's fork server (tests/warm.py): started on first use, ended when the suite ends (its stdin closes)."""
+
+    _instance: Optional["WarmServer"] = None
+    START_TIMEOUT = 300.0  # its imports: 6-8 s on an idle 2-core machine
+
+    @classmethod
+    def get(cls) -> "WarmServer":
+        if cls._instance is None or cls._instance.proc.poll() is not None:
+            cls._instance = cls()
+        return cls._instance
+
+    def __init__(self) -> None:
+        import atexit
+        import tempfile
+
+        self.folder = Path(tempfile.mkdtemp(prefix="lgds-warm-"))
+        self._cond = threading.Condition()
+        self._answers: dict[str, dict] = {}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve().parent / "warm.py")], cwd=str(REPO), env=job_env(),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True,
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+        atexit.register(self.close)
+        ready = self._wait("server", "ready", self.START_TIMEOUT)
+        if not ready:
+            why = self._answers.get("server", {}).get("why", f"not ready within {self.START_TIMEOUT:g} s")
+            self.close()
+            raise AssertionError(f"the warm server (tests/warm.py) cannot fork ranks: {why}; LGDS_WARM=0 starts"
+                                 " every job cold")
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            message = json.loads(line)
+            with self._cond:
+                self._answers.setdefault(message.pop("id", "server"), {}).update(message)
+                self._cond.notify_all()
+        with self._cond:
+            self._answers.setdefault("server", {})["exited"] = True
+            self._cond.notify_all()
+
+    def _wait(self, job_id: str, key: str, timeout: float) -> Optional[Any]:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while key not in self._answers.get(job_id, {}):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                if self._answers.get("server", {}).get("exited"):
+                    raise AssertionError(f"the warm server (tests/warm.py) exited (rc={self.proc.poll()})")
+                self._cond.wait(min(left, 1.0))
+            return self._answers[job_id][key]
+
+    def run(self, script: str, args: Sequence[str], ranks: int, timeout: float, env: Optional[Mapping[str, str]],
+            cwd: Optional[Path]) -> JobResult:
+        job_id = uuid.uuid4().hex
+        output = self.folder / f"{job_id}.log"
+        full_env = job_env({**_timing_env(), **(env or {})})
+        start, start_wall = time.monotonic(), time.time()
+        request = {"id": job_id, "script": str(script), "args": list(args), "env": full_env,
+                   "cwd": str(cwd or REPO), "ranks": ranks, "output": str(output)}
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        pid = self._wait(job_id, "pid", 60)
+        assert pid is not None, "the warm server did not start the job within 60 s"
+        rc = self._wait(job_id, "rc", timeout)
+        timed_out = rc is None
+        if timed_out:
+            kill_group(pid)
+            rc = self._wait(job_id, "rc", 60)
+        try:  # what the ranks started and left behind shares the job's process group: end it too
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        seconds = time.monotonic() - start
+        text = output.read_text(errors="replace") if output.exists() else ""
+        output.unlink(missing_ok=True)
+        with self._cond:
+            self._answers.pop(job_id, None)
+        _record_job([sys.executable, script, *args], full_env, start_wall, seconds, warm=True)
+        return JobResult(-9 if rc is None else rc, text, seconds, timed_out)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()  # the server ends the jobs it still runs, then exits
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                kill_group(self.proc.pid)
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 MARK_ENV = "LGDS_TEST_JOB"  # every process of a LiveJob inherits it: how tests find leftovers

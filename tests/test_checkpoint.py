@@ -267,7 +267,7 @@ def run_plan(out: Path, devices: int, plan: list[dict[str, Any]], check: bool = 
              pg_timeout: float = 60) -> tuple[Any, dict[str, list[dict[str, Any]]]]:
     """Run ckpt_job.py; return the job result and, per fit name, the results of every rank."""
     result = run_job([sys.executable, str(JOBS / "ckpt_job.py"), "--out", str(out), "--devices", str(devices),
-                      "--plan", json.dumps(plan), "--pg-timeout", str(pg_timeout)], timeout)
+                      "--plan", json.dumps(plan), "--pg-timeout", str(pg_timeout)], timeout, ranks=devices)
     print(f"ckpt_job {devices} rank(s), {len(plan)} fits: {result.seconds:.1f}s")
     if check:
         result.check()

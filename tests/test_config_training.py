@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import pytest
 
-from tests.procs import JOBS, REPO, JobResult, run_job
+from tests.procs import JOBS, REPO, JobResult, job_ranks, run_job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -26,7 +26,8 @@ BUCKETS = {"reduce_bucket_size": 4096, "stage3_prefetch_bucket_size": 3686, "sta
 
 
 def run_config_job(out: Path, *args: str, env: Optional[dict[str, str]] = None, timeout: float = 420) -> JobResult:
-    return run_job([sys.executable, str(JOBS / "train_job.py"), "--out", str(out), *CONFIG_JOB, *args], timeout, env)
+    return run_job([sys.executable, str(JOBS / "train_job.py"), "--out", str(out), *CONFIG_JOB, *args], timeout, env,
+                   ranks=job_ranks(args))
 
 
 def ranks_of(out: Path, result: JobResult) -> list[dict[str, Any]]:

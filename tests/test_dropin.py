@@ -390,7 +390,7 @@ def test_zero3_fit_end_warns_when_parameters_are_partitions() -> None:
 def _run(tmp_path: Path, name: str, *args: str, devices: int = 2) -> tuple[list[dict[str, Any]], str]:
     out = tmp_path / name
     result = run_job([sys.executable, str(JOBS / "dropin_job.py"), "--out", str(out), "--devices", str(devices),
-                      *args], timeout=420).check()
+                      *args], timeout=420, ranks=devices).check()
     files = sorted(out.glob("rank*.json"))
     assert len(files) == devices, result.output[-3000:]
     return [json.loads(f.read_text()) for f in files], result.output

@@ -213,7 +213,7 @@ def test_all_reduce_mean_on_hccl_is_a_sum_over_the_ranks_on_the_card(
 
 # ------------------------------------------------------------------------------ 2 ranks, real engines
 def fabric_job(out: Path, *args: str, ranks: int) -> list[dict[str, Any]]:
-    run_job([sys.executable, str(JOBS / "fabric_job.py"), "--out", str(out), *args], timeout=900).check()
+    run_job([sys.executable, str(JOBS / "fabric_job.py"), "--out", str(out), *args], timeout=900, ranks=ranks).check()
     files = sorted(out.glob("rank*.json"))
     assert len(files) == ranks, f"expected a result per rank under {out}"
     return [json.loads(f.read_text()) for f in files]

@@ -3,6 +3,7 @@ sharded checkpoint back to a ``from_pretrained`` directory (tests/jobs/hf_job.py
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.multiprocess
 def _run(tmp_path: Path, *args: str, timeout: float = 300) -> list[dict]:
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # transformers' DeepSpeed integration (HfDeepSpeedConfig) needs it
-    run_job([sys.executable, str(JOBS / "hf_job.py"), "--out", str(tmp_path), *args], timeout).check()
+    run_job([sys.executable, str(JOBS / "hf_job.py"), "--out", str(tmp_path), *args], timeout, ranks=2).check()
     results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     assert len(results) == 2, results
     return results
@@ -88,7 +89,8 @@ def test_zero2_tied_embeddings_export_round_trip(tmp_path: Path) -> None:
 
 
 def test_zero3_peft_lora_after_from_pretrained(tmp_path: Path) -> None:
-    pytest.importorskip("peft")
+    if importlib.util.find_spec("peft") is None:  # not imported here: importing it makes torch's inductor write
+        pytest.skip("peft is not installed")  # TORCHINDUCTOR_CACHE_DIR into this process's environment
     results = _run(tmp_path, "--stage", "3", "--peft", "--export", "--max-shard-size", "100KB")
     # LoRA's B starts at zero (built under zero3_init_paused): the first loss is still the pretrained model's
     _check_pretrained_loaded(results, 1e-6)
@@ -107,7 +109,7 @@ def test_zero3_peft_lora_after_from_pretrained(tmp_path: Path) -> None:
 
 def _moe(out: Path, *args: str, timeout: float = 240) -> tuple[JobResult, list[dict]]:
     out.mkdir()
-    job = run_job([sys.executable, str(JOBS / "moe_job.py"), "--out", str(out), *args], timeout)
+    job = run_job([sys.executable, str(JOBS / "moe_job.py"), "--out", str(out), *args], timeout, ranks=2)
     return job, [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
 
 

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.multiprocess
 
 
 def _run(tmp_path, *args: str, timeout: float = 420, ranks: int = 2) -> list[dict]:
-    run_job([sys.executable, str(JOBS / "tp_job.py"), "--out", str(tmp_path), *args], timeout).check()
+    run_job([sys.executable, str(JOBS / "tp_job.py"), "--out", str(tmp_path), *args], timeout, ranks=ranks).check()
     results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     assert [r["rank"] for r in results] == list(range(ranks)), results
     return results

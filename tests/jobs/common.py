@@ -201,23 +201,29 @@ def start_process() -> None:
     mark_first_step()
 
 
+_first_step_marked: list[bool] = []  # one hook per process, however many fits it runs
+
+
 def mark_first_step() -> None:
     """When the suite is timed (tests/procs.py sets ``LGDS_FIRST_STEP_FILE``), append this rank's wall-clock time at
     its first optimizer step there: the end of start-up in benchmarks/results/suite.md. Otherwise nothing."""
     path = os.environ.get("LGDS_FIRST_STEP_FILE")
-    if not path:
+    if not path or _first_step_marked:
         return
+    _first_step_marked.append(False)
     import time
 
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    def first_step(*_: Any) -> None:
-        handle.remove()
+    def first_step(*_: Any) -> None:  # stays registered (removing it while torch iterates the hooks fails): a no-op
+        if _first_step_marked[0]:
+            return
+        _first_step_marked[0] = True
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
             f.write(f"{time.time()}\n")
 
-    handle = register_optimizer_step_pre_hook(first_step)
+    register_optimizer_step_pre_hook(first_step)
 
 
 def write_result(out: str | Path, rank: int, result: dict[str, Any]) -> None:

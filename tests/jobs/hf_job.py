@@ -159,8 +159,15 @@ def main() -> None:
     args = parser.parse_args()
     mark_first_step()  # timed suite only (benchmarks/suite.py)
     pretrained = args.out / "pretrained"
-    if "LOCAL_RANK" not in os.environ:  # the launching process, before Lightning starts the other rank
-        make_pretrained(pretrained, args.max_shard_size, args.tied)
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # rank 0 (or the launching process, before Lightning's launcher)
+        partial = args.out / "pretrained.partial"
+        make_pretrained(partial, args.max_shard_size, args.tied)
+        partial.rename(pretrained)  # whole or absent: a rank started beside it waits for the folder
+    deadline = time.monotonic() + 300
+    while not pretrained.is_dir():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"rank {os.environ.get('LOCAL_RANK')}: {pretrained} not written by rank 0 in 300 s")
+        time.sleep(0.2)
     from transformers import AutoModelForCausalLM
 
     dtype = DTYPES[args.dtype]
