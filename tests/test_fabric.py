@@ -60,6 +60,7 @@ def test_cpu_and_bf16_are_accepted_where_lightnings_fabric_strategy_wants_cuda()
     assert strategy.root_device.type == "cpu" and strategy._get_process_group_backend() == "gloo"
 
 
+@pytest.mark.multiprocess  # a fresh interpreter: the import's first effects
 def test_importing_the_fabric_strategy_leaves_the_environment_alone() -> None:
     code = (
         "import os; before = dict(os.environ); import lightning.fabric; import lightning_gaudi_ds.fabric;"

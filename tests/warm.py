@@ -49,7 +49,7 @@ def _preload() -> None:
         for name in PRELOAD:
             try:
                 importlib.import_module(name)
-            except ImportError:  # an optional one (transformers) that this environment lacks
+            except Exception:  # an optional one (transformers) this environment lacks or cannot import: jobs import it
                 pass
 
 
