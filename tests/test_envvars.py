@@ -87,6 +87,7 @@ def test_the_runner_refuses_a_bad_variable_before_anything_starts(monkeypatch: p
     assert f"error: {key}='abc'" in err and "torchrun" not in err and "no_such_script" not in err
 
 
+@pytest.mark.multiprocess
 def test_the_rank_shim_reads_the_same_variables_and_starts_no_script(tmp_path: Path) -> None:
     """The shim (stdlib only, run by path) parses with envvars too: a rank started some other way with a bad value
     says which variable, and its script never runs."""
@@ -103,6 +104,7 @@ def test_the_rank_shim_reads_the_same_variables_and_starts_no_script(tmp_path: P
     assert not marker.exists() and not (tmp_path / "run").exists()
 
 
+@pytest.mark.multiprocess
 def test_the_rank_shim_imports_envvars_without_the_package() -> None:
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import rank; "
             "print(sorted(m for m in sys.modules if m.startswith(('lightning', 'torch'))))")

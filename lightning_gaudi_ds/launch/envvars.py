@@ -94,8 +94,8 @@ def read(var: EnvVar, environ: Mapping[str, str] = os.environ) -> Any:
     try:
         return var.parse(text)
     except ValueError:
-        default = "" if var.default is None else f" (default {var.default:g})" if isinstance(
-            var.default, float) else f" (default {var.default})"
+        shown = f"{var.default:g}" if isinstance(var.default, float) else var.default
+        default = "" if var.default is None else f" (default {shown})"
         raise EnvVarError(f"{var.name}={text!r}: pass {var.allowed}{default}, or unset it.") from None
 
 
