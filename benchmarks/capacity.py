@@ -45,7 +45,10 @@ for path in (str(HERE), str(REPO)):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from lightning_gaudi_ds.planning.units import format_bytes, parse_bytes  # noqa: E402
+import publish  # noqa: E402
+from flags import at_least_one, fraction, positive_float, positive_int, size  # noqa: E402
+
+from lightning_gaudi_ds.planning.units import format_bytes  # noqa: E402
 
 RESULTS = HERE / "results" / "capacity"
 EXIT_NO_CGROUP = 3
@@ -625,24 +628,26 @@ def update_readme(text: str, readme: Path) -> None:
     if start in body and end in body:
         pre, rest = body.split(start, 1)
         chart = "![largest model per configuration under the cap](results/capacity/capacity.png)\n"
-        readme.write_text(pre + start + "\n" + text + "\n" + chart + end + rest.split(end, 1)[1])
+        publish.write_text(readme, pre + start + "\n" + text + "\n" + chart + end + rest.split(end, 1)[1])
 
 
 # ------------------------------------------------------------------------------------------- driver
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world", type=int, nargs="+", default=[2, 4], help="ranks (default: 2 4)")
+    p.add_argument("--world", type=positive_int, nargs="+", default=[2, 4], help="ranks (default: 2 4)")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    p.add_argument("--cap", default="300MiB", help="memory per rank (default 300MiB)")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps per trial (default 3)")
-    p.add_argument("--tolerance", type=float, default=0.05)
-    p.add_argument("--max-ratio", type=float, default=5.0, help="search up to this x DDP's largest (default 5)")
-    p.add_argument("--max-layers", type=int, default=4000)
-    p.add_argument("--trial-timeout", type=float, default=300.0)
+    p.add_argument("--cap", type=size, default="300MiB", help="memory per rank (default 300MiB)")
+    p.add_argument("--hidden", type=positive_int, default=512)
+    p.add_argument("--batch-size", type=positive_int, default=4)
+    p.add_argument("--steps", type=positive_int, default=3, help="optimizer steps per trial (default 3)")
+    p.add_argument("--tolerance", type=fraction, default=0.05)
+    p.add_argument("--max-ratio", type=at_least_one, default=5.0,
+                   help="search up to this x DDP's largest (default 5)")
+    p.add_argument("--max-layers", type=positive_int, default=4000)
+    p.add_argument("--trial-timeout", type=positive_float, default=300.0)
     p.add_argument("--nvme-dir", default="", help="local directory for NVMe offload (default: under --out)")
-    p.add_argument("--mmap-threshold", default=None, help="pin glibc's mmap threshold in every trial (e.g. 64KiB):"
+    p.add_argument("--mmap-threshold", type=size, default=None,
+                   help="pin glibc's mmap threshold in every trial (e.g. 64KiB):"
                    " freed tensors leave the process at once (default: glibc's dynamic threshold)")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--report-only", action="store_true")
@@ -656,11 +661,11 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     for n in args.world:
         if n < 2:
             p.error(f"--world {n}: ZeRO needs at least 2 ranks to shard anything; pass 2 or more")
-    s = Settings(worlds=tuple(args.world), configs=tuple(args.configs), cap=parse_bytes(args.cap, "--cap"),
+    s = Settings(worlds=tuple(args.world), configs=tuple(args.configs), cap=args.cap,
                  hidden=args.hidden, batch_size=args.batch_size, steps=args.steps, tolerance=args.tolerance,
                  max_ratio=args.max_ratio, max_layers=args.max_layers, trial_timeout=args.trial_timeout,
                  nvme_dir=args.nvme_dir,
-                 mmap_threshold=parse_bytes(args.mmap_threshold, "--mmap-threshold") if args.mmap_threshold else 0)
+                 mmap_threshold=args.mmap_threshold or 0)
     return args, s
 
 
@@ -685,9 +690,14 @@ def main(argv: list[str] | None = None) -> int:
         gc.freeze()
         return search_rank(s, rank, world, out)
     if args.report_only:
+        if not (out / "capacity.jsonl").is_file():
+            print(f"capacity.py --report-only: no results to report in {out} (no capacity.jsonl). Run capacity.py"
+                  " first, or pass --out with the folder of an earlier run.", file=sys.stderr)
+            return 2
         lines = [json.loads(x) for x in (out / "capacity.jsonl").read_text().splitlines()]
         meta = next(x for x in lines if x["type"] == "meta")
-        text = write_report([x for x in lines if x["type"] == "capacity"], meta, out)
+        with publish.staged(out) as stage:
+            text = write_report([x for x in lines if x["type"] == "capacity"], meta, stage.path)
         if not args.no_readme:
             update_readme(text, HERE / "README.md")
         print(text)
@@ -749,10 +759,9 @@ def main(argv: list[str] | None = None) -> int:
             "cgroup": 1 if Path("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists() else 2,
             "trials": sum(len(r["trials"]) for r in rows),
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"}
-    with open(out / "capacity.jsonl", "w") as f:
-        for line in [meta, *rows]:
-            f.write(json.dumps(line) + "\n")
-    text = write_report(rows, meta, out)
+    with publish.staged(out) as stage:  # a report that fails leaves the last results as they were
+        (stage.path / "capacity.jsonl").write_text("".join(json.dumps(line) + "\n" for line in [meta, *rows]))
+        text = write_report(rows, meta, stage.path)
     if not args.no_readme and out.resolve() == RESULTS.resolve():
         update_readme(text, HERE / "README.md")
     print(text)

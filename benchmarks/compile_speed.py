@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import publish
+from flags import non_negative_int, positive_float, positive_int
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -87,22 +90,22 @@ def run_arm(args: argparse.Namespace, compile_: bool, out: Path) -> dict[str, An
             "job_s": round(time.perf_counter() - started, 1), "load_avg_1m": round(os.getloadavg()[0], 2)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="")
     parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--stage", type=int, default=2)
-    parser.add_argument("--precision", default="bf16-mixed")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--timeout", type=float, default=600)
-    args = parser.parse_args()
+    parser.add_argument("--rounds", type=positive_int, default=2)
+    parser.add_argument("--steps", type=positive_int, default=30)
+    parser.add_argument("--warmup", type=non_negative_int, default=5)
+    parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=2)
+    parser.add_argument("--precision", choices=("bf16-mixed", "bf16-true", "32-true", "16-mixed"), default="bf16-mixed")
+    parser.add_argument("--layers", type=positive_int, default=2)
+    parser.add_argument("--hidden", type=positive_int, default=128)
+    parser.add_argument("--block-size", type=positive_int, default=64)
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--timeout", type=positive_float, default=600)
+    args = parser.parse_args(argv)
     if args.job:
         return job(args)
 
@@ -126,11 +129,8 @@ def main() -> None:
                                                                if k not in ("job", "out", "compile")},
     }
     print(json.dumps(summary), flush=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS / "compile.jsonl", "a") as fh:
-        for row in rows:
-            fh.write(json.dumps({"kind": "compile_arm", "date": summary["date"], **row}) + "\n")
-        fh.write(json.dumps(summary) + "\n")
+    lines = [{"kind": "compile_arm", "date": summary["date"], **row} for row in rows] + [summary]
+    publish.append_text(RESULTS / "compile.jsonl", "".join(json.dumps(line) + "\n" for line in lines))
 
 
 if __name__ == "__main__":

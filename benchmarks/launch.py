@@ -105,7 +105,9 @@ if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description="start WORLD ranks of a command (used by run_ranks)")
-    parser.add_argument("--world", type=int, required=True)
+    from flags import positive_int
+
+    parser.add_argument("--world", type=positive_int, required=True)
     parser.add_argument("--log-dir", required=True)
     parser.add_argument("cmd", nargs=argparse.REMAINDER)
     ns = parser.parse_args()

@@ -32,7 +32,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import publish  # noqa: E402
 from cases import ARMS, Case  # noqa: E402
+from flags import positive_float, positive_int  # noqa: E402
 from launch import run_ranks  # noqa: E402
 
 WORLD = 2
@@ -229,33 +231,38 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def write(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], update_readme: bool) -> None:
-    with open(out / "planner.jsonl", "w") as f:
-        f.write(json.dumps({"type": "meta", **meta}) + "\n")
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+def write(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], update_readme: bool) -> bool:
+    """The table, chart and rows, published in ``out`` only when every case ran (else kept aside); whether they
+    were."""
     md = table(rows, meta)
-    (out / "planner.md").write_text(md + "\n")
-    try:
-        chart(rows, out / "planner.png")
-    except ImportError as err:
-        print(f"no chart: {err}")
+    with publish.staged(out) as stage:
+        (stage.path / "planner.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [{"type": "meta", **meta},
+                                                                                           *rows]))
+        (stage.path / "planner.md").write_text(md + "\n")
+        try:
+            chart(rows, stage.path / "planner.png")
+        except ImportError as err:
+            print(f"no chart: {err}")
+        failed = [r["case"] for r in rows if not r["ok"]]
+        if failed:
+            stage.discard(f"{len(failed)} case(s) failed ({', '.join(failed)})", keep=True)
+            return False
     if update_readme:
         text = README.read_text()
         if START in text and END in text:
             head, rest = text.split(START, 1)
             text = head + START + "\n" + md + "\n\n![planner](results/planner.png)\n" + END + rest.split(END, 1)[1]
-            README.write_text(text)
+            publish.write_text(README, text)
     print(md)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batch-size", dest="batch_size", type=int, default=16)
+    parser.add_argument("--hidden", type=positive_int, default=512)
+    parser.add_argument("--layers", type=positive_int, default=8)
+    parser.add_argument("--batch-size", dest="batch_size", type=positive_int, default=16)
     parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--timeout", type=positive_float, default=1800)
     parser.add_argument("--report-only", dest="report_only", action="store_true")
     parser.add_argument("--no-readme", dest="no_readme", action="store_true")
     parser.add_argument("--cases", nargs="+", help="only these case ids (development)")
@@ -276,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.time() - t0
         (raw / "run.json").write_text(json.dumps({"elapsed": elapsed, "ok": job.ok}))
         print(f"job {'ok' if job.ok else 'FAILED'} in {elapsed:.0f}s", flush=True)
+    elif not (raw / "run.json").is_file():
+        parser.error(f"--report-only: no run to report in {raw} (no run.json); run planner.py first, or pass --out"
+                     " with the folder of an earlier run")
     else:
         elapsed = json.loads((raw / "run.json").read_text())["elapsed"]
     from importlib import metadata
@@ -288,8 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                        f" {psutil.virtual_memory().total / 2**30:.1f} GiB",
             "versions": {k: metadata.version(k) for k in ("torch", "deepspeed", "lightning")}}
     rows = analyse(raw, cases)
-    write(args.out, rows, meta, update_readme=not args.no_readme)
-    return 0 if all(r["ok"] for r in rows) else 1
+    return 0 if write(args.out, rows, meta, update_readme=not args.no_readme) else 1
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import publish
+from flags import positive_float, positive_int
 from launch import REPO, run_one
 
 CONFIGS = REPO / "examples" / "configs"
@@ -89,17 +91,20 @@ def table(rows: list[dict[str, Any]], steps: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=positive_int, default=300)
     parser.add_argument("--only", nargs="+", choices=ORDER, help="these recipes only")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--timeout", type=float, default=900, help="per recipe (s)")
+    parser.add_argument("--timeout", type=positive_float, default=900, help="per recipe (s)")
     parser.add_argument("--report-only", dest="report_only", action="store_true",
                         help="rebuild recipes.md from the last recipes.jsonl")
     args = parser.parse_args(argv)
     if args.report_only:
+        if not (args.out / "recipes.jsonl").is_file():
+            parser.error(f"--report-only: no recipes.jsonl in {args.out} to report; run recipes.py first, or pass"
+                         " --out with the folder of an earlier run")
         meta, *rows = [json.loads(line) for line in (args.out / "recipes.jsonl").read_text().splitlines()]
         text = f"Run {meta['started']}.\n\n" + table(rows, meta["steps"]) + "\n"
-        (args.out / "recipes.md").write_text(text)
+        publish.write_text(args.out / "recipes.md", text)
         print(text)
         return 0
     names = [n for n in ORDER if not args.only or n in args.only]
@@ -110,13 +115,17 @@ def main(argv: list[str] | None = None) -> int:
             row = run_recipe(name, args.steps, Path(tmp), args.timeout)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = {"type": "meta", "started": started, "steps": args.steps}
-    (args.out / "recipes.jsonl").write_text("\n".join(json.dumps(r) for r in [meta, *rows]) + "\n")
     text = f"Run {started}.\n\n" + table(rows, args.steps) + "\n"
-    (args.out / "recipes.md").write_text(text)
     print(text)
-    return 0 if all(r["ok"] for r in rows) else 1
+    with publish.staged(args.out) as stage:
+        (stage.path / "recipes.jsonl").write_text("\n".join(json.dumps(r) for r in [meta, *rows]) + "\n")
+        (stage.path / "recipes.md").write_text(text)
+        failed = [r["recipe"] for r in rows if not r["ok"]]
+        if failed:
+            stage.discard(f"recipe(s) failed: {', '.join(failed)}", keep=True)
+            return 1
+    return 0
 
 
 if __name__ == "__main__":

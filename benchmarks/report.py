@@ -12,6 +12,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import publish
 from cases import ARMS, Case
 
 from lightning_gaudi_ds.planning.memory import paper_bytes_per_param, paper_split
@@ -578,7 +579,9 @@ def charts(out: Path, mem: list[dict[str, Any]], rss: list[dict[str, Any]], spee
 
 def write_report(out: Path, cases: Sequence[Case], settings: dict[str, Any], world: int, elapsed: float,
                  build: Optional[dict[str, Any]], quick: bool, update_readme: bool,
-                 keep_meta: bool = False) -> list[str]:
+                 keep_meta: bool = False, job_ok: bool = True) -> list[str]:
+    """results.jsonl, table.md and the charts of the run in ``out``/raw, published in ``out`` (and benchmarks/README.md
+    when ``update_readme``) only when the job ended well (``job_ok``) and no case failed; the cases that failed."""
     results = load(out / "raw" / "cases", cases, world)
     failures = [f"{cid}: {r.error()[:200]}" for cid, r in results.items() if not r.ok]
     main = settings["main_layers"]
@@ -593,9 +596,29 @@ def write_report(out: Path, cases: Sequence[Case], settings: dict[str, Any], wor
     else:
         m = meta(settings, world, elapsed, build)
         saved_meta.write_text(json.dumps(m))
+    table = markdown(m, mem, mem32, rss, speed, comm, failures)
+    print(table, flush=True)
+    with publish.staged(out) as stage:
+        made = _write_files(stage.path, m, mem + mem32 + rss + speed + comm, results, table, (mem, rss, speed, comm))
+        if failures or not job_ok:
+            stage.discard(f"{len(failures)} case(s) failed" if failures else "the job failed", keep=True)
+            return failures or ["the job failed"]
+    if update_readme and README.exists():
+        text = README.read_text()
+        if START in text and END in text:
+            images = "\n".join(f"![{name}](results/{name})" for name in made)
+            body = f"{START}\n{table}\n{images}\n{END}"
+            text = text[:text.index(START)] + body + text[text.index(END) + len(END):]
+            publish.write_text(README, text)
+    print(f"wrote {out / 'results.jsonl'}, {out / 'table.md'}" + "".join(f", {out / n}" for n in made), flush=True)
+    return failures
+
+
+def _write_files(out: Path, m: dict[str, Any], rows: list[dict[str, Any]], results: dict[str, CaseResult],
+                 table: str, chart_rows: tuple[list[dict[str, Any]], ...]) -> list[str]:
     with open(out / "results.jsonl", "w") as f:
         f.write(json.dumps(m) + "\n")
-        for row in mem + mem32 + rss + speed + comm:
+        for row in rows:
             f.write(json.dumps(row) + "\n")
         for cid, res in results.items():
             for rank, r in enumerate(res.ranks):
@@ -603,16 +626,5 @@ def write_report(out: Path, cases: Sequence[Case], settings: dict[str, Any], wor
                 for step in slim.get("comm_steps", []):
                     step.pop("detail", None)
                 f.write(json.dumps({"type": "case", "id": cid, "rank": rank, **slim}, default=str) + "\n")
-    table = markdown(m, mem, mem32, rss, speed, comm, failures)
     (out / "table.md").write_text(table)
-    made = charts(out, mem, rss, speed, comm)
-    if update_readme and README.exists():
-        text = README.read_text()
-        if START in text and END in text:
-            images = "\n".join(f"![{name}](results/{name})" for name in made)
-            body = f"{START}\n{table}\n{images}\n{END}"
-            text = text[:text.index(START)] + body + text[text.index(END) + len(END):]
-            README.write_text(text)
-    print(table, flush=True)
-    print(f"wrote {out / 'results.jsonl'}, {out / 'table.md'}" + "".join(f", {out / n}" for n in made), flush=True)
-    return failures
+    return charts(out, *chart_rows)

@@ -40,6 +40,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import publish
+from flags import file_stem, int_at_least, positive_float, positive_int
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 JOB = REPO / "tests" / "jobs" / "restart_job.py"
@@ -145,13 +148,13 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--every", type=int, nargs="+", default=[1, 2, 4], help="save intervals K")
-    parser.add_argument("--fail_in", type=int, default=7, help="the step F rank 1 is SIGKILLed in")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--every", type=positive_int, nargs="+", default=[1, 2, 4], help="save intervals K")
+    parser.add_argument("--fail_in", type=positive_int, default=7, help="the step F rank 1 is SIGKILLed in")
+    parser.add_argument("--steps", type=int_at_least(2), default=10)
     parser.add_argument("--two_hosts", action="store_true", help="one rank on each of the multi-node tier's hosts")
     parser.add_argument("--tiny", action="store_true", help="6 steps, failure in step 3 (for development)")
-    parser.add_argument("--tag", default="restart", help="output file stem under benchmarks/results/")
-    parser.add_argument("--timeout", type=float, default=900, help="per job, seconds")
+    parser.add_argument("--tag", type=file_stem, default="restart", help="output file stem under benchmarks/results/")
+    parser.add_argument("--timeout", type=positive_float, default=900, help="per job, seconds")
     args = parser.parse_args(argv)
     if args.tiny:
         args.steps, args.fail_in = 6, 3
@@ -181,9 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"type": "restart", "hosts": meta["hosts"], "every": every,
                          **measure(out, work / "reference")})
             print(f"  {rows[-1]}", flush=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.tag}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [meta, *rows]))
-    (RESULTS / f"{args.tag}.md").write_text(markdown(meta, rows))
+    with publish.staged(RESULTS) as stage:
+        (stage.path / f"{args.tag}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [meta, *rows]))
+        (stage.path / f"{args.tag}.md").write_text(markdown(meta, rows))
     print(markdown(meta, rows))
     return 0
 

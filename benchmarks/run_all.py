@@ -24,6 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from cases import FLIPPED, Case  # noqa: E402
+from flags import non_negative_int, positive_float, positive_int, regex  # noqa: E402
 from launch import run_one, run_ranks  # noqa: E402
 
 WORLD = 2
@@ -141,12 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small models and few steps (development, tests)")
     parser.add_argument("--only", nargs="+", choices=("memory", "speed"), help="run only these benchmarks")
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results[/quick])")
-    parser.add_argument("--hidden", type=int)
-    parser.add_argument("--layers", type=int, nargs="+", help="model sizes of the RSS sweep (layers of hidden²)")
-    parser.add_argument("--batch-size", dest="batch_size", type=int)
-    parser.add_argument("--speed-rounds", dest="speed_rounds", type=int)
-    parser.add_argument("--speed-warmup", dest="speed_warmup", type=int)
-    parser.add_argument("--speed-measured", dest="speed_measured", type=int)
+    parser.add_argument("--hidden", type=positive_int)
+    parser.add_argument("--layers", type=positive_int, nargs="+",
+                        help="model sizes of the RSS sweep (layers of hidden²)")
+    parser.add_argument("--batch-size", dest="batch_size", type=positive_int)
+    parser.add_argument("--speed-rounds", dest="speed_rounds", type=positive_int)
+    parser.add_argument("--speed-warmup", dest="speed_warmup", type=non_negative_int)
+    parser.add_argument("--speed-measured", dest="speed_measured", type=positive_int)
     parser.add_argument("--offload", action="store_true", help="include ZeRO-Offload arms in --quick")
     parser.add_argument("--no-offload", dest="no_offload", action="store_true")
     parser.add_argument("--flipped-speed", dest="flipped_speed", nargs="*", choices=FLIPPED_ARMS, metavar="ARM",
@@ -155,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fp32", action="store_true", help="include the fp32 census in --quick")
     parser.add_argument("--no-mmap-sweep", dest="no_mmap_sweep", action="store_true",
                         help="skip the second RSS sweep with glibc's mmap threshold pinned to 64 KiB")
-    parser.add_argument("--timeout", type=float, default=3600, help="time-out of the whole job (s)")
+    parser.add_argument("--timeout", type=positive_float, default=3600, help="time-out of the whole job (s)")
     parser.add_argument("--no-readme", dest="no_readme", action="store_true", help="do not update benchmarks/README.md")
-    parser.add_argument("--cases", metavar="REGEX",
+    parser.add_argument("--cases", metavar="REGEX", type=regex,
                         help="run only the planned cases whose id matches; the report takes every other case from the"
                              " last run's results.jsonl (its `case` lines), so a partial rerun keeps the full tables")
     parser.add_argument("--report-only", dest="report_only", action="store_true",
@@ -170,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         from report import write_report
 
+        if not (raw / "run.json").is_file() or not (raw / "plan.json").is_file():
+            parser.error(f"--report-only: no run to report in {raw} (run.json and plan.json); run run_all.py first,"
+                         " or pass --out with the folder of an earlier run")
         saved = json.loads((raw / "run.json").read_text())
         cases = [Case.from_json(c) for c in json.loads((raw / "plan.json").read_text())["cases"]]
         failed = write_report(out, cases, saved["settings"], WORLD, saved["elapsed"], saved["build"], args.quick,
@@ -205,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     from report import write_report
 
     failed = write_report(out, cases, settings.__dict__, WORLD, elapsed, build, args.quick,
-                          update_readme=not args.quick and not args.no_readme and args.out is None)
+                          update_readme=not args.quick and not args.no_readme and args.out is None, job_ok=job.ok)
     return 0 if job.ok and not failed else 1
 
 

@@ -20,7 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+import publish
 from cases import ARMS, FLIPPED
+from flags import existing_path, fraction
 
 JUDGED = (("cpu_overhead", "CPU time Trainer ÷ raw"), ("cpu_vs_ddp", "samples per CPU-s ÷ DDP"),
           ("cpu_vs_ddp_fused", "samples per CPU-s ÷ DDP with AdamW(fused=True)"))
@@ -79,9 +81,9 @@ def flipped_table(runs: list[dict[str, dict[str, Any]]]) -> list[str]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run1", type=Path, help="a results folder or results.jsonl")
-    parser.add_argument("run2", type=Path)
-    parser.add_argument("--tolerance", type=float, default=0.10)
+    parser.add_argument("run1", type=existing_path, help="a results folder or results.jsonl")
+    parser.add_argument("run2", type=existing_path)
+    parser.add_argument("--tolerance", type=fraction, default=0.10)
     parser.add_argument("--write", type=Path, help="also write the table (markdown) here")
     parser.add_argument("--flipped", action="store_true",
                         help="compare each switched CPU default with the default, per run, instead")
@@ -97,7 +99,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        args.write.write_text(f"Run 1: {args.run1}; run 2: {args.run2}.\n\n{text}\n")
+        publish.write_text(args.write, f"Run 1: {args.run1}; run 2: {args.run2}.\n\n{text}\n")
     return 1 if outside else 0
 
 

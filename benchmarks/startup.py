@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import publish
+from flags import file_stem, int_at_least, int_list, non_negative_int, positive_int
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 sys.path.insert(0, str(REPO))
@@ -89,8 +92,8 @@ def allreduce_worker(argv: list[str]) -> None:
     """One rank of the all-reduce comparison (RANK/WORLD_SIZE/LOCAL_SIZE/MASTER_* set by the driver)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=positive_int, default=30)
+    parser.add_argument("--warmup", type=non_negative_int, default=5)
     parser.add_argument("--sizes", default="1024,16384,262144,4194304")
     args = parser.parse_args(argv)
 
@@ -279,13 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("all", "startup", "allreduce", "table"), default="all",
                         help="table: only rewrite the markdown from the JSON-lines file")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of cold+warm start-ups (interleaved)")
-    parser.add_argument("--offload-rounds", type=int, default=0,
+    parser.add_argument("--rounds", type=positive_int, default=3, help="rounds of cold+warm start-ups (interleaved)")
+    parser.add_argument("--offload-rounds", type=non_negative_int, default=0,
                         help="rounds of cold+warm ZeRO-Offload start-ups (the cpu_adam op; slow to build)")
-    parser.add_argument("--iters", type=int, default=30, help="all-reduce iterations (median), >= 20")
-    parser.add_argument("--sizes", default="1024,16384,262144,4194304", help="all-reduce sizes (elements)")
+    parser.add_argument("--iters", type=int_at_least(20), default=30, help="all-reduce iterations (median), >= 20")
+    parser.add_argument("--sizes", type=int_list, default="1024,16384,262144,4194304",
+                        help="all-reduce sizes (elements)")
     parser.add_argument("--ext", type=Path, help="all-reduce part: a TORCH_EXTENSIONS_DIR to (re)use and keep")
-    parser.add_argument("--tag", default="startup", help="output file stem under benchmarks/results/")
+    parser.add_argument("--tag", type=file_stem, default="startup", help="output file stem under benchmarks/results/")
     args = parser.parse_args(argv)
 
     import deepspeed
@@ -295,7 +299,6 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"when": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "loadavg": round(os.getloadavg()[0], 2),
             "torch": torch.__version__, "deepspeed": deepspeed.__version__, "lightning": lightning.__version__,
             "platform": platform.platform(), "command": "python benchmarks/startup.py " + " ".join(argv)}
-    RESULTS.mkdir(parents=True, exist_ok=True)
     jsonl = RESULTS / f"{args.tag}.jsonl"
     rows: list[dict[str, Any]] = []
 
@@ -303,8 +306,6 @@ def main(argv: list[str] | None = None) -> int:
         row = {**row, "loadavg": round(os.getloadavg()[0], 2), "command": meta["command"]}
         rows.append(row)
         print(json.dumps(row), flush=True)
-        with jsonl.open("a") as f:
-            f.write(json.dumps({**row, "when": meta["when"]}) + "\n")
 
     ext = None
     try:
@@ -317,13 +318,18 @@ def main(argv: list[str] | None = None) -> int:
             elif ext is None:
                 ext = _fresh_ext_dir("ar")
                 prebuild(ext, "deepspeed_shm_comm")
-            part_allreduce(ext, args.iters, args.sizes, emit)
+            part_allreduce(ext, args.iters, ",".join(map(str, args.sizes)), emit)
     finally:
         for path in _EXT_DIRS:
             shutil.rmtree(path, ignore_errors=True)
-        # The table covers every row in the JSON-lines file (a --part run adds to an earlier one; delete to restart).
-        all_rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()] if jsonl.exists() else rows
-        (RESULTS / f"{args.tag}.md").write_text(markdown(all_rows, meta))
+    # Only a run that ended well adds its rows. The table covers every row in the JSON-lines file (a --part run adds
+    # to an earlier one; delete it to restart).
+    text = (jsonl.read_text() if jsonl.exists() else "") + "".join(
+        json.dumps({**row, "when": meta["when"]}) + "\n" for row in rows)
+    all_rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    with publish.staged(RESULTS) as stage:
+        (stage.path / jsonl.name).write_text(text)
+        (stage.path / f"{args.tag}.md").write_text(markdown(all_rows, meta))
     print(f"wrote {jsonl} and {RESULTS / f'{args.tag}.md'}")
     return 0
 

@@ -19,6 +19,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import publish
+from flags import existing_dir, positive_int
+
 
 def _read(path: Path) -> list[dict]:
     if not path.exists():
@@ -95,17 +98,15 @@ def _count(values) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("folder", type=Path, help="the LGDS_SUITE_TIMES folder of a timed run")
+    parser.add_argument("folder", type=existing_dir, help="the LGDS_SUITE_TIMES folder of a timed run")
     parser.add_argument("--title", default="suite", help="the section's heading")
-    parser.add_argument("--top", type=int, default=30, help="how many of the slowest tests to list (default 30)")
+    parser.add_argument("--top", type=positive_int, default=30,
+                        help="how many of the slowest tests to list (default 30)")
     parser.add_argument("--out", type=Path, help="append the section to this markdown file (default: print it)")
     args = parser.parse_args(argv)
-    if args.top < 1:
-        parser.error(f"--top must be at least 1, got {args.top}")
     text = tabulate(args.folder, args.title, args.top)
     if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+        publish.append_text(args.out, text + "\n")
     else:
         sys.stdout.write(text)
     return 0

@@ -29,6 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import publish
+from flags import positive_float, positive_int
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
@@ -181,22 +184,24 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--tp", type=positive_int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--intermediate", type=int, default=None, help="default 2.75 x hidden (rounded to 64)")
-    parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=600)
-    args = parser.parse_args()
+    parser.add_argument("--hidden", type=positive_int, default=1024)
+    parser.add_argument("--layers", type=positive_int, default=8)
+    parser.add_argument("--heads", type=positive_int, default=16)
+    parser.add_argument("--vocab", type=positive_int, default=8192)
+    parser.add_argument("--intermediate", type=positive_int, default=None, help="default 2.75 x hidden (rounded to 64)")
+    parser.add_argument("--prompt-tokens", type=positive_int, default=32)
+    parser.add_argument("--new-tokens", type=positive_int, default=32)
+    parser.add_argument("--reps", type=positive_int, default=3)
+    parser.add_argument("--rounds", type=positive_int, default=2)
+    parser.add_argument("--timeout", type=positive_float, default=600)
+    args = parser.parse_args(argv)
+    if args.hidden % args.heads:
+        parser.error(f"--hidden {args.hidden} --heads {args.heads}: the hidden size must be a multiple of the heads")
     if args.worker:
         return worker(args)
 
@@ -223,13 +228,11 @@ def main() -> None:
             print(f"round {i + 1}/{args.rounds}: {name} ...", flush=True)
             runs.append(run_arm(name, args, raw / f"round{i}"))
     rows = summarize(runs)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "tp_inference.jsonl", "w") as f:
-        f.write(json.dumps(meta) + "\n")
-        for row in rows:
-            f.write(json.dumps({"kind": "tp", **row}) + "\n")
     text = markdown(rows, meta)
-    (out / "tp_inference.md").write_text(text)
+    with publish.staged(out) as stage:
+        (stage.path / "tp_inference.jsonl").write_text("".join(
+            json.dumps(line) + "\n" for line in [meta, *({"kind": "tp", **row} for row in rows)]))
+        (stage.path / "tp_inference.md").write_text(text)
     print(text)
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ConfigError",
     "ConfigNotFoundError",
+    "EnvVarError",
     "HostfileError",
     "IncompleteCheckpointError",
     "NotACheckpointError",
@@ -66,6 +67,8 @@ class BuildLockError(RuntimeError):
     """A torch extension build lock that cannot be judged safe to wait on or to clear."""
 
 
-# The launcher's own error is defined beside the hostfile parser, which `lightning-gaudi-ds spawn --help` imports
-# without Lightning or torch (this module imports Lightning for MisconfigurationException); re-exported here.
+# The launcher's own errors are defined beside the hostfile parser, which `lightning-gaudi-ds spawn --help` imports
+# without Lightning or torch, and the environment variables, which the rank shim reads without the package (this
+# module imports Lightning for MisconfigurationException); re-exported here.
+from lightning_gaudi_ds.launch.envvars import EnvVarError  # noqa: E402
 from lightning_gaudi_ds.launch.hostfile import HostfileError  # noqa: E402

@@ -1,7 +1,8 @@
 """Whether a lock file was made from today's requirements (pyproject.toml's dependencies and extras, pins.in).
 
 ``python requirements/lockcheck.py LOCK`` exits 1, naming the refresh command, when the digest recorded in LOCK's
-header differs; ``--header CMD [PIN]`` prints the header scripts/lock.sh writes.
+header differs, and listing the locks there are when LOCK does not exist; ``--header CMD [PIN]`` prints the header
+scripts/lock.sh writes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ def digest(extra_pin: str = "") -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
+def missing(lock: Path) -> str:
+    """Why ``lock`` cannot be used, and which DeepSpeed versions have a lock (scripts/setup.sh's
+    LIGHTNING_GAUDI_DS_DEEPSPEED)."""
+    versions = sorted(p.name[len("lock-deepspeed-"):-len(".txt")] for p in (ROOT / "requirements").glob(
+        "lock-deepspeed-*.txt"))
+    return (f"{lock}: no such lock file. LIGHTNING_GAUDI_DS_DEEPSPEED takes a DeepSpeed version that has a lock"
+            f" ({', '.join(versions) or 'none'}: requirements/lock-deepspeed-<version>.txt), or leave it unset for"
+            " the main tier (requirements/lock.txt). A lock for another version is made by adding it to"
+            " scripts/lock.sh.")
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--header"]:
         command, pin = argv[1], (argv[2] if len(argv) > 2 else "")
@@ -33,6 +45,9 @@ def main(argv: list[str]) -> int:
         print(f"{MARK}{digest(pin)} {pin}".rstrip())
         return 0
     lock = Path(argv[0])
+    if not lock.is_file():
+        print(missing(lock), file=sys.stderr)
+        return 1
     line = next((x for x in lock.read_text().splitlines() if x.startswith(MARK)), None)
     recorded, _, pin = (line[len(MARK):].partition(" ") if line else ("", "", ""))
     if recorded != digest(pin.strip()):

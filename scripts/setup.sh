@@ -43,6 +43,12 @@ if [ ! -e /usr/include/libaio.h ]; then
 fi
 DS_PIN=${LIGHTNING_GAUDI_DS_DEEPSPEED:-}
 VENV=.venv${DS_PIN:+-deepspeed-$DS_PIN}
+# Everything comes from a hash-locked file (pip --require-hashes), made by `bash scripts/lock.sh` from pyproject.toml's
+# requirements with the test, examples and dev extras, plus requirements/pins.in (torch's CPU build, pinned here
+# only: the package's own range stays loose for Habana's and CUDA torch). A lock that is missing (a DeepSpeed version
+# without one) or older than those requirements stops the set-up before any environment is made.
+LOCK=requirements/lock${DS_PIN:+-deepspeed-$DS_PIN}.txt
+"$PY" requirements/lockcheck.py "$LOCK"
 if [ ! -x "$VENV/bin/pip" ]; then  # pip, not python: a half-made venv (no ensurepip) is made again
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
@@ -51,12 +57,7 @@ fi
 . "$VENV/bin/activate"
 # pip's own failures stop the script (pipefail); only this machine's harmless index-location warnings are hidden.
 pipq() { python -m pip install -q "$@" 2>&1 | { grep -v '^WARNING: Location' || true; }; }
-# Everything comes from a hash-locked file (pip --require-hashes), made by `bash scripts/lock.sh` from pyproject.toml's
-# requirements with the test, examples and dev extras, plus requirements/pins.in (torch's CPU build, pinned here
-# only: the package's own range stays loose for Habana's and CUDA torch). A lock older than those requirements stops
-# the set-up. Then the package itself, editable, without resolving anything again.
-LOCK=requirements/lock${DS_PIN:+-deepspeed-$DS_PIN}.txt
-python requirements/lockcheck.py "$LOCK"
+# The lock's files, then the package itself, editable, without resolving anything again.
 pipq --require-hashes -r "$LOCK"
 pipq --no-deps --no-build-isolation -e .
 # DeepSpeed's C++ ops that it would otherwise JIT-compile on first use (the CPU shm comm op, cpu_adam for

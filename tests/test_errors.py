@@ -21,6 +21,7 @@ from lightning_gaudi_ds import errors
     ("IncompleteCheckpointError", (MisconfigurationException, FileNotFoundError)),
     ("UnsafeCheckpointError", (MisconfigurationException, pickle.UnpicklingError)),
     ("HostfileError", (ValueError,)),
+    ("EnvVarError", (ValueError,)),
     ("BuildLockError", (RuntimeError,)),
 ])
 def test_each_error_is_also_lightnings_type(name, bases):

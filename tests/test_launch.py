@@ -446,7 +446,7 @@ def test_shim_records_exit_and_output(tmp_path: Path) -> None:
 
     toy = script(tmp_path, "toy.py", "print('hello from', os.environ['RANK']); sys.exit(5)\n")
     run_dir = tmp_path / "run"
-    env = {**os.environ, "RANK": "3", rank_shim.RUN_DIR_ENV: str(run_dir)}
+    env = {**os.environ, "RANK": "3", plan.RUN_DIR_ENV: str(run_dir)}
     done = subprocess.run([sys.executable, SHIM, str(toy)], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 5 and "hello from 3" in done.stdout
     record = json.loads((run_dir / "rank3.json").read_text())

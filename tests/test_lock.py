@@ -43,3 +43,34 @@ def test_a_stale_lock_is_refused_with_the_refresh_command(tmp_path: Path) -> Non
                                for line in lines))
     result = check(stale)
     assert result.returncode == 1 and "bash scripts/lock.sh" in result.stderr
+
+
+def test_a_missing_lock_lists_the_versions_that_have_one(tmp_path: Path) -> None:
+    result = check(REPO / "requirements" / "lock-deepspeed-9.9.9.txt")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "lock-deepspeed-9.9.9.txt: no such lock file" in result.stderr and "(0.16.1:" in result.stderr
+    assert "LIGHTNING_GAUDI_DS_DEEPSPEED" in result.stderr
+
+
+@pytest.mark.multiprocess
+def test_setup_refuses_a_deepspeed_version_without_a_lock_before_making_a_venv(tmp_path: Path) -> None:
+    """scripts/setup.sh in a copy of the repository, with stand-ins for the system tools it would install."""
+    import os
+    import shutil
+
+    copy = tmp_path / "repo"
+    for name in ("scripts", "requirements"):
+        shutil.copytree(REPO / name, copy / name)
+    shutil.copy(REPO / "pyproject.toml", copy)
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for tool, code in (("mpirun", 0), ("pdsh", 0), ("apt-get", 1), ("sudo", 1)):
+        (stubs / tool).write_text(f"#!/bin/sh\nexit {code}\n")
+        (stubs / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}", "LIGHTNING_GAUDI_DS_DEEPSPEED": "9.9.9",
+           "PYTHON": sys.executable}
+    result = subprocess.run(["bash", str(copy / "scripts" / "setup.sh")], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "no such lock file" in result.stderr and "(0.16.1:" in result.stderr and "Traceback" not in result.stderr
+    assert not (copy / ".venv-deepspeed-9.9.9").exists()

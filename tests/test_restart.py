@@ -21,13 +21,15 @@ import torch
 from lightning_gaudi_ds import DistributedRunner
 from lightning_gaudi_ds.checkpoint import resume
 from lightning_gaudi_ds.cli import main
-from lightning_gaudi_ds.launch import plan
-from lightning_gaudi_ds.launch._proc import PREEMPTED_EXIT, RESTART_ENV
+from lightning_gaudi_ds.launch import envvars, plan
+from lightning_gaudi_ds.launch._proc import PREEMPTED_EXIT
 from tests.procs import JOBS, REPO, run_job
 from tests.test_checkpoint import fake_checkpoint
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import restart as restart_benchmark  # noqa: E402
+
+RESTART_ENV, NUM_NODES_ENV = envvars.RESTART.name, envvars.NUM_NODES.name
 
 SPAWN = [sys.executable, "-m", "lightning_gaudi_ds", "spawn", "--world_size", "2", "--master_port", "0"]
 
@@ -51,7 +53,9 @@ def test_every_rank_is_told_which_restart_it_is(tmp_path: Path) -> None:
     assert plan.launch_env(plan.resolve(2), {}, tmp_path, "t", 1, machine, restart=3)[RESTART_ENV] == "3"
     assert RESTART_ENV in plan._MPI_EXPORTS and RESTART_ENV in plan._DEEPSPEED_EXPORTS  # other hosts' ranks too
     assert resume.restart_count({RESTART_ENV: "2"}) == 2
-    assert resume.restart_count({}) == 0 and resume.restart_count({RESTART_ENV: "x"}) == 0
+    assert resume.restart_count({}) == 0 and resume.restart_count({RESTART_ENV: ""}) == 0
+    with pytest.raises(envvars.EnvVarError, match=r"LIGHTNING_GAUDI_DS_RESTART='abc': pass .*a whole number >= 0"):
+        resume.restart_count({RESTART_ENV: "abc"})  # not read as unset (issue 42)
 
 
 def test_the_supervisor_tells_a_shim_from_a_launcher_that_starts_one() -> None:
@@ -120,8 +124,6 @@ def test_select_hosts_leaves_out_the_unreachable_while_min_nodes_remain() -> Non
 
 @pytest.mark.parametrize("use_mpi", [False, True], ids=["pdsh", "mpirun"])
 def test_a_restart_on_fewer_hosts_tells_the_ranks_how_many_nodes(tmp_path: Path, use_mpi: bool) -> None:
-    from lightning_gaudi_ds.launch._proc import NUM_NODES_ENV
-
     spec = plan.resolve(hostfile=_hostfile(tmp_path, "a", "b", "c"), use_mpi=use_mpi, use_deepspeed=not use_mpi)
     assert spec.master_addr == "a" and spec.world_size == 6
     choice = plan.select_hosts(spec.hosts or (), {"a": "unreachable"}, min_nodes=1)
@@ -144,12 +146,13 @@ def test_a_restart_on_fewer_hosts_tells_the_ranks_how_many_nodes(tmp_path: Path,
 
 
 def test_the_strategy_takes_the_runners_node_count() -> None:
-    from lightning_gaudi_ds.launch._proc import NUM_NODES_ENV
     from lightning_gaudi_ds.launch.environments import launcher_num_nodes
 
     assert launcher_num_nodes(2, {NUM_NODES_ENV: "1"}) == 1
     assert launcher_num_nodes(2, {}) == 2  # no hosts left out: the Trainer's
-    assert launcher_num_nodes(2, {NUM_NODES_ENV: "0"}) == 2 and launcher_num_nodes(2, {NUM_NODES_ENV: "x"}) == 2
+    for bad in ("0", "two"):  # not read as unset (issue 42)
+        with pytest.raises(envvars.EnvVarError, match=rf"LIGHTNING_GAUDI_DS_NUM_NODES='{bad}': pass .* >= 1"):
+            launcher_num_nodes(2, {NUM_NODES_ENV: bad})
 
 
 def test_a_trainer_for_two_nodes_runs_on_the_one_left(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -158,7 +161,6 @@ def test_a_trainer_for_two_nodes_runs_on_the_one_left(monkeypatch: pytest.Monkey
     import lightning as L
 
     from lightning_gaudi_ds import HPUDeepSpeedStrategy
-    from lightning_gaudi_ds.launch._proc import NUM_NODES_ENV
 
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(key, raising=False)

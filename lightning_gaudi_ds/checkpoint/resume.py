@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from lightning_gaudi_ds.checkpoint.io import MANIFEST, CheckpointError, validate_checkpoint
-from lightning_gaudi_ds.launch._proc import RESTART_ENV
+from lightning_gaudi_ds.launch import envvars
 
 
 def restart_count(env: Mapping[str, str] = os.environ) -> int:
     """Which restart of the job this process belongs to (0: the first start, or not started by the runner)."""
-    value = env.get(RESTART_ENV, "0")
-    return int(value) if value.isdigit() else 0
+    return int(envvars.read(envvars.RESTART, env))
 
 
 def _saved_at(path: Path) -> float:
@@ -79,7 +78,8 @@ def resolve_ckpt_path(trainer: Any, checkpoint_path: Any) -> Any:
         return None  # nothing to restore: no listing of the checkpoint directories
     candidates = _compat.last_checkpoint_candidates(trainer)
     if checkpoint_path is None:
-        rank_zero_info(f"Restart {restart} of the job ({RESTART_ENV}={restart}): resuming from ckpt_path='last'.")
+        rank_zero_info(f"Restart {restart} of the job ({envvars.RESTART.name}={restart}): resuming from"
+                       " ckpt_path='last'.")
     elif str(checkpoint_path) not in candidates or _complete(Path(checkpoint_path)):
         return checkpoint_path
     chosen, skipped = newest_complete(candidates)

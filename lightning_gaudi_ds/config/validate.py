@@ -18,8 +18,8 @@ from lightning_gaudi_ds.config.keys import get as get_key
 from lightning_gaudi_ds.config.load import ConfigError, check_activation_checkpointing, check_nvme, config_problems
 from lightning_gaudi_ds.config.resolve import strategy_arg_values
 from lightning_gaudi_ds.devices import hpu_available, validate_precision
+from lightning_gaudi_ds.launch import envvars
 from lightning_gaudi_ds.launch.environments import check_multi_node_environment
-from lightning_gaudi_ds.launch.rendezvous import rendezvous_timeout
 from lightning_gaudi_ds.planning import auto
 
 if TYPE_CHECKING:
@@ -167,14 +167,15 @@ def check_before_launch(
     auto_stage: AutoStage | None, config: Mapping[str, Any], config_source: str | None,
 ) -> None:
     """What the Trainer's constructor knows once accelerator and precision are chosen, checked before any process
-    is started: precision on the device, ``stage="auto"``'s device memory, the multi-node environment, CUDA device
-    indices and the config's activation checkpointing; warns when a visible Gaudi goes unused."""
+    is started: the package's environment variables, precision on the device, ``stage="auto"``'s device memory, the
+    multi-node environment, CUDA device indices and the config's activation checkpointing; warns when a visible
+    Gaudi goes unused."""
     device_type = devices[0].type
     validate_precision(precision, devices[0])
     if auto_stage is not None:
         auto.check_device(auto_stage, device_type)
+    envvars.check()  # a bad LIGHTNING_GAUDI_DS_* variable is refused before any process starts
     if num_nodes > 1:
-        rendezvous_timeout()  # a bad LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT is refused before any process starts
         check_multi_node_environment(cluster_environment, num_nodes)
     check_device_indices(devices)
     check_activation_checkpointing(config, config_source or "built from HPUDeepSpeedStrategy's arguments")

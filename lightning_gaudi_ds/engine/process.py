@@ -35,13 +35,13 @@ from lightning_gaudi_ds.engine import checkpointing, shutdown
 from lightning_gaudi_ds.engine.device import DeviceRuntime
 from lightning_gaudi_ds.jit_ops.locks import op_cache
 from lightning_gaudi_ds.jit_ops.startup import prepare_startup
-from lightning_gaudi_ds.launch._proc import NUM_NODES_ENV
+from lightning_gaudi_ds.launch import envvars
 from lightning_gaudi_ds.launch.environments import (
     check_launcher_world_size,
     launcher_num_nodes,
     resolve_environment,
 )
-from lightning_gaudi_ds.launch.rendezvous import bounded_rendezvous, rendezvous_timeout, waiting_message
+from lightning_gaudi_ds.launch.rendezvous import bounded_rendezvous, waiting_message
 
 _P = ParamSpec("_P")
 _S = TypeVar("_S")
@@ -148,7 +148,7 @@ def adopt_launcher(strategy: Any) -> None:
     strategy.cluster_environment = resolve_environment(strategy.cluster_environment)
     nodes = launcher_num_nodes(strategy.num_nodes)
     if nodes != strategy.num_nodes:  # a restart on fewer hosts (spawn --min_nodes): the launcher's count wins
-        rank_zero_info(f"{NUM_NODES_ENV}={nodes}: this restart runs on {nodes} node(s), not"
+        rank_zero_info(f"{envvars.NUM_NODES.name}={nodes}: this restart runs on {nodes} node(s), not"
                        f" num_nodes={strategy.num_nodes}; hosts were left out (spawn --min_nodes).")
         strategy._num_nodes = nodes
     if strategy.parallel_devices is not None:
@@ -218,7 +218,7 @@ def bounded_init(strategy: Any, init: Callable[[], None]) -> None:
     LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT and announced while it waits (a second node that was never started would
     otherwise hang silently for the process group's 30 minutes); the group's own timeout applies once it has formed.
     A group this started ends at interpreter exit (:mod:`lightning_gaudi_ds.engine.shutdown`)."""
-    limit = rendezvous_timeout()
+    limit = envvars.read(envvars.RENDEZVOUS_TIMEOUT)
     full = strategy._timeout if strategy._timeout is not None else default_pg_timeout
     env = strategy.cluster_environment
     assert env is not None

@@ -34,9 +34,9 @@ from lightning_gaudi_ds.jit_ops.build import (
     short_error,
 )
 from lightning_gaudi_ds.jit_ops.locks import BuildLockError, clear_stale_locks, scan_locks
+from lightning_gaudi_ds.launch import envvars
 
-SHM_MODE_ENV = "LIGHTNING_GAUDI_DS_SHM_COMM"
-SHM_MODES = ("off", "on")
+SHM_MODE_ENV = envvars.SHM_COMM.name
 log = logging.getLogger(__name__)
 
 
@@ -55,10 +55,7 @@ _fallback_said = False  # the fallback warning is given once per process
 
 def shm_mode(env: Mapping[str, str] = os.environ) -> str:
     """``off`` (default) or ``on``, from ``LIGHTNING_GAUDI_DS_SHM_COMM``."""
-    mode = env.get(SHM_MODE_ENV, "off").strip().lower() or "off"
-    if mode not in SHM_MODES:
-        raise ValueError(f"{SHM_MODE_ENV}={mode!r} is not one of {', '.join(SHM_MODES)}.")
-    return mode
+    return str(envvars.read(envvars.SHM_COMM, env))
 
 
 def shm_segment_name(rank: int, env: Mapping[str, str] = os.environ) -> str:

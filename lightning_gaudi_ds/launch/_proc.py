@@ -15,20 +15,12 @@ import sys
 from typing import Any
 
 PREFIX = "lightning-gaudi-ds:"
-# Set by the runner for the rank shims: where they keep logs and exit records, and their SIGTERM -> SIGKILL grace.
-RUN_DIR_ENV = "LIGHTNING_GAUDI_DS_RUN_DIR"
-STOP_TIMEOUT_ENV = "LIGHTNING_GAUDI_DS_STOP_TIMEOUT"
+# The package's environment variables (the run directory, the stop and link timeouts, the restart count, ...) are
+# in the sibling module envvars.py.
 # The shim's flag for a launch across hosts: the script and its arguments are read from this JSON file.
 ARGS_FILE_FLAG = "--lgds-args-file"
-# Launches across hosts: the supervisor's heartbeat in the run directory, and how long a rank waits for it to change.
+# Launches across hosts: the supervisor's heartbeat in the run directory, which a rank watches (envvars.LINK_TIMEOUT).
 HEARTBEAT_NAME = "supervisor.alive"
-LINK_TIMEOUT_ENV = "LIGHTNING_GAUDI_DS_LINK_TIMEOUT"
-# Set by the runner for every rank: which start of the job this is (0: the first; N: the N-th restart). The strategy
-# resumes from ``ckpt_path="last"`` when it is above 0 and the script passes no ckpt_path.
-RESTART_ENV = "LIGHTNING_GAUDI_DS_RESTART"
-# Set by the runner only on a start that left hosts out (``min_nodes``): the number of nodes it runs on, which the
-# strategy takes over ``Trainer(num_nodes=...)``.
-NUM_NODES_ENV = "LIGHTNING_GAUDI_DS_NUM_NODES"
 # A rank's exit code after SIGTERM (preemption) once it saved a checkpoint at a step boundary: sysexits.h's
 # EX_TEMPFAIL ("a temporary failure; try again"), apart from failures and from 143 (killed by SIGTERM unsaved).
 PREEMPTED_EXIT = 75

@@ -22,7 +22,8 @@ from lightning.fabric.plugins.environments import (
 from typing_extensions import override
 
 from lightning_gaudi_ds._compat import DEEPSPEED_LAUNCHER_ENV, DEEPSPEED_NODE_RANK_ENV
-from lightning_gaudi_ds.launch._proc import MPI_SIZE_KEYS, NUM_NODES_ENV
+from lightning_gaudi_ds.launch import envvars
+from lightning_gaudi_ds.launch._proc import MPI_SIZE_KEYS
 from lightning_gaudi_ds.launch.rendezvous import HOW_TO_START
 
 log = logging.getLogger(__name__)
@@ -177,8 +178,8 @@ def launcher_num_nodes(num_nodes: int, environ: Mapping[str, str] = os.environ) 
 
     Read whatever the cluster environment: under mpirun with one rank left, Lightning sees no MPI (a world of 1)
     and takes the process for its own launcher's, which would start ``devices x num_nodes`` processes."""
-    value = environ.get(NUM_NODES_ENV, "")
-    return int(value) if value.isdigit() and int(value) >= 1 else num_nodes
+    nodes = envvars.read(envvars.NUM_NODES, environ)
+    return num_nodes if nodes is None else nodes
 
 
 def check_launcher_world_size(env: ClusterEnvironment | None, devices: int, num_nodes: int) -> None:

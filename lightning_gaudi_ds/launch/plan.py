@@ -20,17 +20,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lightning_gaudi_ds import hpu
-from lightning_gaudi_ds.launch._proc import (
-    ARGS_FILE_FLAG,
-    LINK_TIMEOUT_ENV,
-    NUM_NODES_ENV,
-    RESTART_ENV,
-    RUN_DIR_ENV,
-    STOP_TIMEOUT_ENV,
-)
+from lightning_gaudi_ds.launch import envvars
+from lightning_gaudi_ds.launch._proc import ARGS_FILE_FLAG
 from lightning_gaudi_ds.launch.hostfile import Host, parse_hostfile
-from lightning_gaudi_ds.launch.rendezvous import DEFAULT_TIMEOUT as DEFAULT_RENDEZVOUS_TIMEOUT
-from lightning_gaudi_ds.launch.rendezvous import TIMEOUT_ENV as RENDEZVOUS_TIMEOUT_ENV
 
 # What remote ranks of a multi-node mpirun need from the launching shell (Open MPI passes only `-x` names): the
 # execution mode and bridge flags, the visible cards, HCCL's network settings, the libraries the bridge loads.
@@ -64,7 +56,9 @@ def mpirun_forward_names(environ: Mapping[str, str] = os.environ) -> list[str]:
     )
 
 
-RUN_ID_ENV = "LIGHTNING_GAUDI_DS_RUN_ID"  # the job's token: how the supervisor finds every process of the job
+RUN_DIR_ENV, RUN_ID_ENV, STOP_TIMEOUT_ENV = envvars.RUN_DIR.name, envvars.RUN_ID.name, envvars.STOP_TIMEOUT.name
+RESTART_ENV, NUM_NODES_ENV, LINK_TIMEOUT_ENV = envvars.RESTART.name, envvars.NUM_NODES.name, envvars.LINK_TIMEOUT.name
+RENDEZVOUS_TIMEOUT_ENV = envvars.RENDEZVOUS_TIMEOUT.name
 SHIM = str(Path(__file__).resolve().with_name("rank.py"))
 LAUNCHERS = ("python", "torchrun", "deepspeed", "mpirun")
 # Exported by mpirun to every node: Open MPI passes only the variables named with -x to remote ranks.
@@ -74,6 +68,7 @@ _MPI_EXPORTS = ("MASTER_ADDR", "MASTER_PORT", RUN_DIR_ENV, RUN_ID_ENV, STOP_TIME
 # DS_ENV_FILE sets; a Gaudi job writes its own (with the user's lines first) in the run directory.
 DEEPSPEED_ENV_FILE = "DS_ENV_FILE"
 DEEPSPEED_ENV_NAME = "deepspeed_env"
+TORCHRUN_LOG_NAME = "torchrun"  # torchrun's own log folder in the run directory
 ARGS_NAME = "argv.json"  # a launch across hosts: the script and its arguments, read by every rank's shim
 # ssh keepalives (pdsh, mpirun): a host silent for link_timeout s ends the ssh session, and with it the launch.
 _KEEPALIVE_PROBES = 3
@@ -250,11 +245,13 @@ def _world_size(world_size: int, hostfile: Path | None, hosts: tuple[Host, ...] 
 
 
 def launch_argv(spec: LaunchSpec, user: Sequence[str], port: int, machine: Machine,
-                args_file: Path | None = None) -> list[str]:
+                args_file: Path | None = None, run_dir: Path | None = None) -> list[str]:
     """The argv that starts ``user`` (script or ``-m module``, and its arguments) on every rank of ``spec``.
 
     With ``args_file`` (a launch across hosts, where a remote shell parses the command line) the ranks read
-    ``user`` from that file instead: the command line carries only its path."""
+    ``user`` from that file instead: the command line carries only its path. With ``run_dir``, torchrun keeps its
+    own logs in ``<run_dir>/torchrun`` (without one it leaves a ``torchelastic_*`` folder in the system's temp
+    directory)."""
     py, shim, user = machine.python, [SHIM], list(user)
     if args_file is not None:
         user = [ARGS_FILE_FLAG, str(args_file)]
@@ -304,10 +301,12 @@ def launch_argv(spec: LaunchSpec, user: Sequence[str], port: int, machine: Machi
         nnodes, per_node, node_rank = 1, spec.world_size, 0
     rdzv = []
     if nnodes > 1:  # torchrun's own rendezvous comes before any rank: bound it by the project's rendezvous timeout
-        rdzv = ["--rdzv-conf", f"timeout={math.ceil(spec.rendezvous_timeout or DEFAULT_RENDEZVOUS_TIMEOUT)}"]
+        limit = spec.rendezvous_timeout or envvars.RENDEZVOUS_TIMEOUT.default
+        rdzv = ["--rdzv-conf", f"timeout={math.ceil(limit)}"]
+    logs = ["--log-dir", str(run_dir / TORCHRUN_LOG_NAME)] if run_dir is not None else []
     return [py, "-u", "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc_per_node", str(per_node),
             "--node_rank", str(node_rank), "--master_addr", spec.master_addr, "--master_port", str(port),
-            "--max_restarts", "0", "--monitor_interval", "0.5", *rdzv, *shim, *user]
+            "--max_restarts", "0", "--monitor_interval", "0.5", *logs, *rdzv, *shim, *user]
 
 
 def launch_env(spec: LaunchSpec, base: Mapping[str, str], run_dir: Path, token: str, port: int,

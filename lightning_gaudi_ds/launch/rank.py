@@ -6,8 +6,9 @@ its output to this process's stdout and to ``<run dir>/rank<R>.log``, and record
 ``<run dir>/rank<R>.json`` ("pid", "child_pid", "host", then "returncode"), so the runner learns which rank failed
 and how, whatever launcher sits in between. SIGTERM/SIGINT/SIGHUP are passed on to the script, and SIGKILL follows
 ``LIGHTNING_GAUDI_DS_STOP_TIMEOUT`` s later; the script gets SIGKILL if this shim dies. Without
-``LIGHTNING_GAUDI_DS_RUN_DIR`` it becomes the script. ``rank.py --lgds-args-file F`` reads the script and its
-arguments from the JSON list in ``F`` (launches across hosts: no remote shell parses them).
+``LIGHTNING_GAUDI_DS_RUN_DIR`` it becomes the script (the variables: :mod:`~lightning_gaudi_ds.launch.envvars`).
+``rank.py --lgds-args-file F`` reads the script and its arguments from the JSON list in ``F`` (launches across
+hosts: no remote shell parses them).
 """
 
 from __future__ import annotations
@@ -25,29 +26,27 @@ from pathlib import Path
 from typing import Any
 
 if __package__:
+    from lightning_gaudi_ds.launch import envvars
     from lightning_gaudi_ds.launch._proc import (
         ARGS_FILE_FLAG,
         HEARTBEAT_NAME,
-        LINK_TIMEOUT_ENV,
         MPI_RANK_KEYS,
-        RUN_DIR_ENV,
-        STOP_TIMEOUT_ENV,
         exit_code,
+        say,
         signal_when_parent_dies,
     )
-else:  # run by path, as the launchers do: the sibling module, without importing the package
+else:  # run by path, as the launchers do: the sibling modules, without importing the package
+    import envvars  # type: ignore[no-redef,import-not-found]
     from _proc import (  # type: ignore[no-redef,import-not-found]
         ARGS_FILE_FLAG,
         HEARTBEAT_NAME,
-        LINK_TIMEOUT_ENV,
         MPI_RANK_KEYS,
-        RUN_DIR_ENV,
-        STOP_TIMEOUT_ENV,
         exit_code,
+        say,
         signal_when_parent_dies,
     )
 
-__all__ = ["ARGS_FILE_FLAG", "RUN_DIR_ENV", "STOP_TIMEOUT_ENV", "global_rank_from_env", "main", "python_command"]
+__all__ = ["ARGS_FILE_FLAG", "global_rank_from_env", "main", "python_command"]
 # Global rank as each launcher announces it; the first one present wins.
 _RANK_KEYS = ("RANK", *MPI_RANK_KEYS)
 
@@ -148,7 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         # directory, never through the remote shell that pdsh/ssh hands the command line to.
         argv = json.loads(Path(argv[1]).read_text())
     command = python_command(argv)
-    run_dir = os.environ.get(RUN_DIR_ENV)
+    try:  # the runner checked them; a rank started otherwise is told, and its script does not start
+        run_dir, grace, link = (envvars.read(var) for var in (envvars.RUN_DIR, envvars.STOP_TIMEOUT,
+                                                                 envvars.LINK_TIMEOUT))
+    except envvars.EnvVarError as err:
+        say(f"rank {global_rank_from_env()}: error: {err}")
+        return 2
     if not run_dir:
         os.execv(command[0], command)
     directory = Path(run_dir)
@@ -170,7 +174,6 @@ def main(argv: list[str] | None = None) -> int:
         }
         _write_json(record_path, record)
 
-        grace = float(os.environ.get(STOP_TIMEOUT_ENV) or 10.0)
         escalation: list[threading.Timer] = []
 
         forwarded: set[int] = set()
@@ -190,14 +193,13 @@ def main(argv: list[str] | None = None) -> int:
 
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, forward)
-        link = os.environ.get(LINK_TIMEOUT_ENV)
 
         def supervisor_lost() -> None:
             forward(signal.SIGTERM, None)
             _end_orphaned_daemon()
 
-        if link:
-            _watch_supervisor(directory / HEARTBEAT_NAME, float(link), supervisor_lost)
+        if link is not None:
+            _watch_supervisor(directory / HEARTBEAT_NAME, link, supervisor_lost)
         pump = threading.Thread(target=_pump, args=(read_fd, log), daemon=True)
         pump.start()
         returncode = child.wait()

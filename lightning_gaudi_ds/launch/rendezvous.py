@@ -4,18 +4,18 @@ says how multi-node runs are started, instead of waiting silently for torch's 30
 
 from __future__ import annotations
 
-import math
-import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
+from lightning_gaudi_ds.launch import envvars
 from lightning_gaudi_ds.launch._proc import say
 
-TIMEOUT_ENV = "LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT"
-DEFAULT_TIMEOUT = 600.0  # s: nodes of one job started by hand or by a scheduler are usually up within minutes
+# LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT, default 600 s: nodes of one job started by hand or by a scheduler are
+# usually up within minutes.
+TIMEOUT_ENV = envvars.RENDEZVOUS_TIMEOUT.name
 FIRST_NOTICE = 3.0  # s before the first "waiting for" line: a rendezvous of ranks that are all there is done by then
 
 HOW_TO_START = (
@@ -25,21 +25,6 @@ HOW_TO_START = (
     " `lightning-gaudi-ds spawn --hostfile hosts --node_rank I --master_addr NODE0 train.py` (run on each node),"
     " SLURM's srun, or mpirun (docs/launching.md). On one machine, use Trainer(num_nodes=1)."
 )
-
-
-def rendezvous_timeout(environ: Mapping[str, str] = os.environ) -> float:
-    """Seconds the process group may take to form: ``$LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT``, default 600."""
-    text = environ.get(TIMEOUT_ENV)
-    if text is None or text == "":
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{TIMEOUT_ENV}={text!r}: pass the seconds the ranks may take to meet, a number > 0"
-                         f" (default {DEFAULT_TIMEOUT:g}).")
-    return value
 
 
 @contextmanager

@@ -25,10 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lightning_gaudi_ds import hpu
-from lightning_gaudi_ds.launch import plan
+from lightning_gaudi_ds.launch import envvars, plan
 from lightning_gaudi_ds.launch._proc import free_port, is_local_address, port_in_use, say
 from lightning_gaudi_ds.launch.hostfile import Host
-from lightning_gaudi_ds.launch.rendezvous import DEFAULT_TIMEOUT, HOW_TO_START, TIMEOUT_ENV, rendezvous_timeout
+from lightning_gaudi_ds.launch.rendezvous import HOW_TO_START
 from lightning_gaudi_ds.launch.supervise import Supervisor
 
 __all__ = ["DistributedRunner"]
@@ -107,7 +107,8 @@ class DistributedRunner:
                              " whole number >= 0 (0: never).")
         self.max_restarts = max_restarts
         self.commands = [plan.split_command(c) for c in self.command_list]
-        rdzv = rendezvous_timeout(os.environ) if os.environ.get(TIMEOUT_ENV) else None  # checked now, not on a rank
+        envvars.check(os.environ)  # every package variable the ranks would read, checked now, not on a rank
+        rdzv = envvars.read(envvars.RENDEZVOUS_TIMEOUT) if os.environ.get(envvars.RENDEZVOUS_TIMEOUT.name) else None
         self.spec = plan.resolve(world_size, hostfile, use_mpi, use_deepspeed, master_port, master_addr, node_rank,
                                  stop_timeout, hpu_mode, link_timeout,  # type: ignore[arg-type]  # resolve checks it
                                  rdzv)
@@ -156,11 +157,12 @@ class DistributedRunner:
         return self.spec.stop_timeout
 
     def build_command(self, command: str | Sequence[str], master_port: int | None = None,
-                      args_file: Path | None = None) -> list[str]:
-        """The argv that launches ``command`` on every rank (no shell involved on this host)."""
+                      args_file: Path | None = None, run_dir: Path | None = None) -> list[str]:
+        """The argv that launches ``command`` on every rank (no shell involved on this host); torchrun keeps its
+        logs under ``run_dir``."""
         user = plan.split_command(command) if isinstance(command, str) else list(command)
         return plan.launch_argv(self._attempt, user, master_port or self.master_port, plan.Machine.this(),
-                                args_file)
+                                args_file, run_dir)
 
     def _environment(self, run_dir: Path, token: str, port: int, restart: int = 0) -> dict[str, str]:
         env = plan.launch_env(self._attempt, os.environ, run_dir, token, port, plan.Machine.this(), restart)
@@ -203,9 +205,10 @@ class DistributedRunner:
     def _no_rank_hint(self, port: int) -> str:
         if self.launcher != "torchrun" or self.spec.hosts is None or self.node_rank is None:
             return ""
-        limit = self.spec.rendezvous_timeout or DEFAULT_TIMEOUT
+        limit = self.spec.rendezvous_timeout or envvars.RENDEZVOUS_TIMEOUT.default
         return (f"no rank started: torchrun's rendezvous of {len(self.spec.hosts)} nodes at {self.master_addr}:{port}"
-                f" did not complete within {limit:g} s ({TIMEOUT_ENV}); is every node started? {HOW_TO_START}")
+                f" did not complete within {limit:g} s ({envvars.RENDEZVOUS_TIMEOUT.name}); is every node started?"
+                f" {HOW_TO_START}")
 
     def run(self) -> int:
         """Run every command; return the first non-zero exit code (128+N for a rank killed by signal N), else 0."""
@@ -317,7 +320,7 @@ class DistributedRunner:
                 args_file = run_dir / plan.ARGS_NAME
                 private.append(args_file)
                 _write_private(args_file, json.dumps(user))
-            argv = self.build_command(user, port, args_file)
+            argv = self.build_command(user, port, args_file, run_dir)
             private.append(run_dir / plan.DEEPSPEED_ENV_NAME)
             env = self._environment(run_dir, token, port, attempt)
             say(f"{self.launcher}, world size {self._attempt.world_size}: {shlex.join(argv)}")
