@@ -30,7 +30,7 @@ import pytest
 import tomllib
 import yaml
 
-from tests.procs import REPO
+from tests.procs import REPO, run_job
 
 README = REPO / "README.md"
 PAGES = sorted((REPO / "docs").glob("*.md"))
@@ -217,7 +217,8 @@ def test_every_command_shown_parses(argv: list[str], monkeypatch: pytest.MonkeyP
         value = token.split("=", 1)[-1]
         if value.startswith(REPO_DIRS) and "*" not in value:
             assert (REPO / value).exists(), f"{value} does not exist"
-    _check(argv, monkeypatch)
+    with _environ_kept():  # a first `import lightning` sets two of torch's variables (tests/test_environ.py)
+        _check(argv, monkeypatch)
 
 
 def test_commands_are_found_on_every_page_that_shows_some() -> None:
@@ -238,7 +239,8 @@ def test_a_wrong_command_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
                  ["bash", "scripts/hpu_check.sh", "--fast"],
                  ["make", "docs"]):
         try:
-            _check(argv, monkeypatch)
+            with _environ_kept():
+                _check(argv, monkeypatch)
         except (AssertionError, SystemExit, click.UsageError) as refused:
             assert not isinstance(refused, SystemExit) or refused.code == 2, argv  # argparse's usage error
         else:
@@ -254,8 +256,9 @@ def test_every_python_snippet_parses_and_imports_what_exists(where: str, text: s
     tree = ast.parse(text, where)
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning_gaudi_ds"):
-            module = importlib.import_module(node.module)
-            missing = [a.name for a in node.names if not hasattr(module, a.name)]
+            with _environ_kept():  # a first `import lightning` sets two of torch's variables (tests/test_environ.py)
+                module = importlib.import_module(node.module)
+                missing = [a.name for a in node.names if not hasattr(module, a.name)]  # the names load lazily
             assert not missing, f"{where}: {node.module} has no {missing}"
 
 
@@ -275,3 +278,34 @@ def test_every_page_is_in_the_site_and_the_readme_is_short() -> None:
     lines = README.read_text().splitlines()
     assert len(lines) <= 250, f"README.md has {len(lines)} lines; move detail into docs/"
     assert "| tier | tests | time |" in lines  # the Tests table the test command's tiers fill
+
+
+def test_every_api_reference_resolves() -> None:
+    """docs/api.md's ``::: name`` entries exist (else mkdocstrings fails the site build)."""
+    names = re.findall(r"^::: (\S+)$", (REPO / "docs" / "api.md").read_text(), re.M)
+    assert "lightning_gaudi_ds.HPUDeepSpeedStrategy" in names
+    for name in names:
+        module, _, attr = name.rpartition(".")
+        with _environ_kept():  # a first `import lightning` sets two of torch's variables (tests/test_environ.py)
+            try:
+                importlib.import_module(name)
+            except ModuleNotFoundError:
+                assert hasattr(importlib.import_module(module), attr), name
+
+
+@pytest.mark.multiprocess
+def test_site_builds_strictly_and_a_broken_link_fails(tmp_path: Path) -> None:
+    """scripts/docs.sh's build (mkdocs --strict), on a copy: as it is, then with one broken link to a repo file."""
+    import shutil
+
+    for name in ("docs", "benchmarks", "lightning_gaudi_ds", "scripts"):
+        shutil.copytree(REPO / name, tmp_path / name, ignore=shutil.ignore_patterns("raw", "__pycache__"))
+    shutil.copy(REPO / "mkdocs.yml", tmp_path)
+    build = [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")]
+    run_job(build, timeout=300, cwd=tmp_path, env={"NO_MKDOCS_2_WARNING": "1"}).check()
+    assert (tmp_path / "site" / "repo" / "benchmarks" / "results" / "planner.png").is_file()  # a linked repo file
+    assert "lightning_gaudi_ds.HPUDeepSpeedStrategy" in (tmp_path / "site" / "api" / "index.html").read_text()
+    page = tmp_path / "docs" / "limits.md"
+    page.write_text(page.read_text() + "\n[gone](../benchmarks/results/no_such_table.md)\n")
+    broken = run_job(build, timeout=300, cwd=tmp_path, env={"NO_MKDOCS_2_WARNING": "1"})
+    assert broken.returncode != 0 and "no_such_table.md" in broken.output, broken.output[-2000:]
