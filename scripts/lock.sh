@@ -13,6 +13,9 @@ python3 -m venv "$tools"
 lock() {  # lock FILE [extra pin]
   local out=$1 pins=requirements/pins.in extra
   if [ $# -gt 1 ]; then extra=$(mktemp); printf '%s\n' "$2" > "$extra"; pins="$pins $extra"; fi
+  # pip-compile keeps the versions of the file it writes to: starting from the current lock, a new requirement adds
+  # its packages and leaves every other pin as it is (LOCK_UPGRADE=1: resolve everything afresh)
+  if [ -f "$out" ] && [ "${LOCK_UPGRADE:-0}" != "1" ]; then cp "$out" "$out.new"; fi
   # shellcheck disable=SC2086
   "$tools/bin/pip-compile" -q --generate-hashes --strip-extras --no-header --no-emit-index-url --no-emit-find-links \
     --unsafe-package lightning-gaudi-ds --extra test --extra examples --extra dev -o "$out.new" pyproject.toml $pins
