@@ -728,3 +728,18 @@ def test_stage_auto_in_a_real_trainer_picks_what_plan_says_at_a_boundary(tmp_pat
     for rank in [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]:
         assert rank["chosen_configuration"]["label"] == "ZeRO-1" and rank["zero_stage"] == 1
         assert rank["config"]["zero_optimization"]["overlap_comm"] is False
+
+
+def test_adam_temporaries_are_left_out_only_where_the_engine_fuses_it():
+    """The planner asks the engine's own rule (fuses_adam): a torch Adam/AdamW on the CPU device; not on CUDA or HPU,
+    not SGD."""
+    from lightning_gaudi_ds.engine.train import fuses_adam
+    from lightning_gaudi_ds.planning import PlanInputs, plan_rows
+
+    assert [fuses_adam(d, "adamw") for d in ("cpu", "cuda", "hpu")] == [True, False, False]
+    assert fuses_adam("cpu", "Adam") and not fuses_adam("cpu", "sgd")
+    spec = ModelSpec(params=8_000_000, hidden_size=1000, param_numels=(1_000_000,) * 8)
+    for device, counted in (("cpu", False), ("cuda", True), ("hpu", True)):
+        inputs = PlanInputs.build(spec, device_type=device, devices=4, nodes=1, precision="bf16-mixed")
+        (row,) = plan_rows(inputs, [(1, False, False)])
+        assert row["step_temporary_bytes"] == (8 * 2_000_000 if counted else 0), device

@@ -206,7 +206,6 @@ class StrategyConfig(ConfigResolver):
             module, self.auto, device=strategy.root_device, devices=len(strategy.parallel_devices),
             nodes=strategy.num_nodes, precision=precision,
             zero_config=self.as_resolved(strategy.config).get("zero_optimization"),
-            config_optimizer="optimizer" in strategy.config,
         )
 
     def as_resolved(self, config: dict[str, Any]) -> dict[str, Any]:

@@ -84,12 +84,12 @@ FUSED_ON_CPU = (
 )
 
 
-def fuses_adam(device_type: str | None, optimizer: Optimizer | str | None) -> bool:
+def fuses_adam(device_type: str | None, optimizer: Optimizer | str) -> bool:
     """Whether the strategy steps ``optimizer`` with torch's fused kernel (:func:`fuse_on_cpu`): a torch
     ``Adam``/``AdamW`` on the CPU device that left ``fused`` and ``foreach`` to torch. A name (``"adamw"``) stands
     for that torch optimizer with its defaults (the memory planner's assumption before ``configure_optimizers``
-    runs); ``None``: the DeepSpeed config's own optimizer, which DeepSpeed builds (never fused here)."""
-    if device_type != "cpu" or optimizer is None:
+    runs)."""
+    if device_type != "cpu":
         return False
     try:
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices

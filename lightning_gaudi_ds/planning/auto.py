@@ -90,7 +90,6 @@ def inputs_for_module(
     nodes: int,
     precision: str,
     zero_config: Mapping[str, Any] | None = None,
-    config_optimizer: bool = False,
     spec: ModelSpec | None = None,
 ) -> PlanInputs:
     """What ``stage="auto"`` plans with (:class:`PlanInputs`, built as ``plan`` builds them): the module's
@@ -100,8 +99,8 @@ def inputs_for_module(
     from lightning_gaudi_ds.planning.detect import detect_device_memory, detect_host_memory
 
     return PlanInputs.build(
-        spec or module_spec(module), device_type=device.type, zero_config=zero_config,
-        config_optimizer=config_optimizer, devices=devices, nodes=nodes, precision=precision,
+        spec or module_spec(module), device_type=device.type, zero_config=zero_config, devices=devices, nodes=nodes,
+        precision=precision,
         device_memory=auto.device_memory or detect_device_memory(device.type),
         host_memory=auto.host_memory or detect_host_memory(), headroom=auto.headroom,
         activation_bytes=activation_bytes_of(module, precision, device) if auto.measure_activations else None,

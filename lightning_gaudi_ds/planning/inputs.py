@@ -33,18 +33,17 @@ class PlanInputs:
 
     @classmethod
     def build(cls, spec: ModelSpec, *, device_type: str, zero_config: Mapping[str, Any] | None = None,
-              config_optimizer: bool = False, optimizer: str = "adamw", **rest: Any) -> PlanInputs:
+              optimizer: str = "adamw", **rest: Any) -> PlanInputs:
         """Inputs for ``spec`` on ``device_type``, as the strategy will train it: the buckets and communication
         settings of ``zero_config`` (the ``zero_optimization`` section as its resolution starts; None: the
         strategy's default config) with the device's defaults where it sets none
-        (:meth:`~lightning_gaudi_ds.planning.memory.Buckets.for_model`), and whether the engine fuses a torch
-        ``optimizer`` (:func:`~lightning_gaudi_ds.engine.train.fuses_adam`; never the optimizer of a config's
-        ``optimizer`` section, ``config_optimizer``). ``rest``: the other fields."""
+        (:meth:`~lightning_gaudi_ds.planning.memory.Buckets.for_model`), and whether the engine fuses the torch
+        ``optimizer`` (:func:`~lightning_gaudi_ds.engine.train.fuses_adam`). ``rest``: the other fields."""
         from lightning_gaudi_ds.engine.train import fuses_adam
 
         return cls(spec=spec, device_type=device_type, optimizer=optimizer,
                    buckets=Buckets.for_model(spec.hidden_size, zero_config, device_type),
-                   fused_optimizer=fuses_adam(device_type, None if config_optimizer else optimizer), **rest)
+                   fused_optimizer=fuses_adam(device_type, optimizer), **rest)
 
 
 def plan_rows(inputs: PlanInputs,
