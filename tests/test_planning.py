@@ -475,7 +475,8 @@ def test_auto_stage_with_nothing_that_fits_stops_at_setup(tmp_path):
 def test_auto_stage_counts_a_configure_model_module_on_meta():
     import lightning as L
 
-    from lightning_gaudi_ds.planning.auto import AutoStage, apply_choice, module_spec, plan_for_module
+    from lightning_gaudi_ds.planning.auto import AutoStage, apply_choice, inputs_for_module, module_spec
+    from lightning_gaudi_ds.planning.inputs import plan_rows
 
     class Late(L.LightningModule):
         def __init__(self) -> None:
@@ -491,8 +492,8 @@ def test_auto_stage_counts_a_configure_model_module_on_meta():
     spec = module_spec(module)
     assert module.body is None  # the module itself is left alone
     assert spec.params == 8 * 8 + 8 + 2048 * 2048 + 2048
-    rows = plan_for_module(module, AutoStage(), devices=4, nodes=1, precision="bf16-mixed",
-                           device_memory=2**30, host_memory=None, spec=spec)
+    rows = plan_rows(inputs_for_module(module, AutoStage(device_memory=2**30), device=torch.device("cpu"), devices=4,
+                                       nodes=1, precision="bf16-mixed", spec=spec))
     chosen = choose(rows)
     config: dict = {"zero_optimization": {"stage": "auto", "offload_optimizer": {"device": "cpu"}}}
     apply_choice(config, chosen)
@@ -562,3 +563,183 @@ def test_cli_params_alone_says_which_buckets_it_assumed_and_when_a_hidden_size_c
     main([*base, "--device-memory", "80MiB", "--json"])
     err = capsys.readouterr().err
     assert "note: bucket sizes assumed" in err and "the answer changes" in err
+
+
+# ------------------------------------------------------------------ plan and stage="auto": one decision (issue 43)
+class IssueMLP(nn.Module):
+    """Issue 43's model: 64 -> width -> width -> 64 (4.5M parameters at width 2048)."""
+
+    def __init__(self, width: int = 2048) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                                 nn.Linear(width, 64))
+
+
+def _lightning(model: nn.Module) -> nn.Module:
+    """``model`` as the LightningModule a user trains, with a torch AdamW left to torch's defaults."""
+    import lightning as L
+
+    class Wrapped(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return Wrapped()
+
+
+def _plan_cli(capsys, source: list[str], memory: int, *extra: str) -> list[dict]:
+    from lightning_gaudi_ds.cli import main
+
+    capsys.readouterr()  # what the Trainers printed before
+    main(["plan", *source, "--devices", "2", "--precision", "bf16-mixed", "--device-memory", str(memory), *extra,
+          "--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+def _auto_strategy(memory: int, **kwargs) -> object:
+    """An ``HPUDeepSpeedStrategy(stage="auto")`` set up by a Trainer as issue 43's: 2 CPU ranks, bf16-mixed."""
+    import lightning as L
+
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+
+    strategy = HPUDeepSpeedStrategy(stage="auto", device_memory=memory, **kwargs)
+    L.Trainer(accelerator="cpu", devices=2, precision="bf16-mixed", strategy=strategy, logger=False,
+              enable_checkpointing=False)
+    return strategy
+
+
+def _auto_choice(strategy, module: nn.Module) -> str:
+    """What the strategy's ``stage="auto"`` picks on rank 0 (StrategyConfig.choose without the broadcast)."""
+    from lightning_gaudi_ds.planning import auto
+
+    decision = auto.decide(lambda: strategy._resolver.plan_inputs(strategy, module, "bf16-mixed"), "model")
+    return decision.choice["label"] if decision.choice else "nothing"
+
+
+def _sweep(rows: list[dict]) -> list[int]:
+    """Memories from ZeRO-3's boundary to DDP's: a byte either side of every row's boundary there, and 21 steps."""
+    limit = 1 - rows[0]["headroom"]
+    low = rows[[(r["stage"], r["offload_optimizer"]) for r in rows].index((3, False))]["device_bytes"] / limit
+    high = rows[0]["device_bytes"] / limit
+    edges = [r["device_bytes"] / limit for r in rows if low <= r["device_bytes"] / limit <= high]
+    points = {int(low + (high - low) * i / 20) for i in range(21)}
+    points |= {int(e) + d for e in edges for d in (-1, 2)}
+    return sorted(points)
+
+
+def _hf_gpt2(tmp_path: Path) -> tuple[list[str], nn.Module]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=256, n_layer=2, n_head=4, vocab_size=2048, n_positions=128)
+    config.save_pretrained(tmp_path)
+    return ["--hf-config", str(tmp_path / "config.json")], transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt2"])
+def test_plan_and_stage_auto_pick_the_same_configuration_at_every_memory(model, tmp_path, capsys):
+    """Issue 43: `plan` and stage="auto" plan with the same inputs (PlanInputs): Lightning's default config's
+    overlap_comm=True (two ZeRO-1/2 reduce buckets) is not what the strategy trains with on CPU, so it is not
+    planned with either; the fastest fitting row of `plan` is what stage="auto" picks across the sweep."""
+    if model == "mlp":
+        source, module = ["--model", "tests.test_planning:IssueMLP", "--init-args", '{"width": 2048}'], IssueMLP()
+    else:
+        source, module = _hf_gpt2(tmp_path)
+    module = _lightning(module)
+    rows = _plan_cli(capsys, source, 64 * 2**30)
+    assert rows[0]["device_type"] == "cpu" and rows[0]["fused_optimizer"] and not rows[0]["buckets"]["overlap_comm"]
+    picks = []
+    for memory in _sweep(rows):
+        planned = next((r["label"] for r in _plan_cli(capsys, source, memory) if r["fits"]), "nothing")
+        picks.append((memory, planned, _auto_choice(_auto_strategy(memory), module)))
+    assert [p for p in picks if p[1] != p[2]] == []
+    assert {p[1] for p in picks} >= {"ZeRO-1", "ZeRO-0"}  # the sweep crosses DDP's boundary
+    # the same rows, byte for byte: the same inputs
+    from lightning_gaudi_ds.planning.inputs import plan_rows
+
+    strategy = _auto_strategy(64 * 2**30)
+    assert json.loads(json.dumps(plan_rows(strategy._resolver.plan_inputs(strategy, module, "bf16-mixed")))) == rows
+
+
+@pytest.mark.parametrize("arguments", [{}, {"reduce_scatter": False}, {"config": "auto"}])
+def test_stage_auto_plans_with_the_buckets_and_optimizer_the_strategy_trains_with(arguments, tmp_path):
+    """The buckets and communication stage="auto" plans with are those of the config the strategy then resolves
+    for the chosen stage (Lightning's default config, whose overlap_comm=True is its argument default: the CPU
+    defaults; an explicit reduce_scatter=False: kept, every bucket all-reduced; a user config of "auto"s: the CPU
+    defaults), and Adam's temporaries are left out where the engine fuses the optimizer."""
+    from lightning_gaudi_ds.engine.train import fuse_on_cpu
+    from lightning_gaudi_ds.planning import auto
+
+    if arguments.get("config") == "auto":
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps({"zero_optimization": {k: "auto" for k in (
+            "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "reduce_scatter")}}))
+        arguments = {"config": str(path)}
+    module = _lightning(IssueMLP())
+    strategy = _auto_strategy(80 * 10**6, **arguments)
+    inputs = strategy._resolver.plan_inputs(strategy, module, "bf16-mixed")
+    decision = auto.decide(lambda: inputs, "IssueMLP")
+    assert decision.choice is not None and decision.choice["stage"] in (1, 2)
+    auto.adopt(decision, strategy.config)
+    zero = strategy._resolver.resolve_with(strategy, module, "bf16-mixed", fitting=False)["zero_optimization"]
+    assert zero["stage"] == decision.choice["stage"]
+    assert inputs.buckets.overlap_comm is zero["overlap_comm"] is False  # no streams on CPU: one reduce bucket
+    assert inputs.buckets.reduce_bucket_size == zero["reduce_bucket_size"] == 2048**2
+    to_owner = zero["reduce_scatter"] and not zero.get("use_multi_rank_bucket_allreduce", True)
+    assert inputs.buckets.reduce_to_owner == to_owner == ("reduce_scatter" not in arguments)
+    assert inputs.fused_optimizer and fuse_on_cpu(module.configure_optimizers(), "cpu") is not None
+
+
+def test_plan_header_states_the_device_and_whether_adam_temporaries_are_counted(capsys):
+    from lightning_gaudi_ds.cli import main
+
+    base = ["plan", "--params", "5e6", "--hidden-size", "1024", "--devices", "2", "--device-memory", "1GiB"]
+    for device, optimizer, line in (
+        ("cpu", "adamw", "device assumed: cpu; adamw's step temporaries not counted (the strategy steps it with"
+                         " torch's fused kernel)"),
+        ("cuda", "adamw", "device assumed: cuda; adamw's step temporaries counted"),
+        ("cpu", "sgd", "device assumed: cpu; sgd's step makes no temporaries"),
+    ):
+        main([*base, "--device", device, "--optimizer", optimizer])
+        header = capsys.readouterr().out.splitlines()[1]
+        assert header.startswith(line), header
+
+
+@pytest.mark.multiprocess
+def test_stage_auto_in_a_real_trainer_picks_what_plan_says_at_a_boundary(tmp_path, capsys):
+    """2 CPU ranks, bf16-mixed, AdamW on 32 -> 2048 -> 2048 -> 4: just above ZeRO-1's boundary `plan` says ZeRO-1
+    (and below it something else); before issue 43's fix stage="auto" counted two reduce buckets there and chose
+    ZeRO-3."""
+    import sys
+
+    from tests.procs import JOBS, run_job
+
+    source = ["--model", "tests.jobs.common:RegressionModel", "--init-args", '{"width": 2048, "optimizer": "adamw"}']
+    rows = _plan_cli(capsys, source, 64 * 2**30)
+    zero1 = rows[1]
+    memory = int(zero1["device_bytes"] / (1 - zero1["headroom"])) + 2
+    planned = [next(r["label"] for r in _plan_cli(capsys, source, m) if r["fits"]) for m in (memory - 3, memory)]
+    assert planned[0] != "ZeRO-1" and planned[1] == "ZeRO-1"
+    job = run_job([sys.executable, str(JOBS / "train_job.py"), "--out", str(tmp_path), "--stage", "auto",
+                   "--device-memory", str(memory), "--width", "2048", "--precision", "bf16-mixed", "--optimizer",
+                   "adamw", "--max-steps", "2", "--no-eval"], timeout=400).check()
+    assert "stage='auto' chose ZeRO-1 (the fastest configuration that fits)" in job.output
+    for rank in [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]:
+        assert rank["chosen_configuration"]["label"] == "ZeRO-1" and rank["zero_stage"] == 1
+        assert rank["config"]["zero_optimization"]["overlap_comm"] is False
+
+
+def test_adam_temporaries_are_left_out_only_where_the_engine_fuses_it():
+    """The planner asks the engine's own rule (fuses_adam): a torch Adam/AdamW on the CPU device; not on CUDA or HPU,
+    not SGD."""
+    from lightning_gaudi_ds.engine.train import fuses_adam
+    from lightning_gaudi_ds.planning import PlanInputs, plan_rows
+
+    assert [fuses_adam(d, "adamw") for d in ("cpu", "cuda", "hpu")] == [True, False, False]
+    assert fuses_adam("cpu", "Adam") and not fuses_adam("cpu", "sgd")
+    spec = ModelSpec(params=8_000_000, hidden_size=1000, param_numels=(1_000_000,) * 8)
+    for device, counted in (("cpu", False), ("cuda", True), ("hpu", True)):
+        inputs = PlanInputs.build(spec, device_type=device, devices=4, nodes=1, precision="bf16-mixed")
+        (row,) = plan_rows(inputs, [(1, False, False)])
+        assert row["step_temporary_bytes"] == (8 * 2_000_000 if counted else 0), device

@@ -17,7 +17,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_gaudi_ds._compat import _format_precision_config, attached_trainer, train_dataloaders
 from lightning_gaudi_ds.config.load import check_activation_checkpointing
-from lightning_gaudi_ds.config.resolve import AutoContext, ConfigResolver, explicit_arguments, publish_resolved
+from lightning_gaudi_ds.config.resolve import (
+    AutoContext,
+    ConfigResolver,
+    drop_device_tuned,
+    explicit_arguments,
+    publish_resolved,
+)
 from lightning_gaudi_ds.config.sizing import hidden_size, mark_model_buckets, shared_batch_size
 from lightning_gaudi_ds.config.validate import check_argument_config, check_arguments, check_offload
 from lightning_gaudi_ds.devices import device_spec
@@ -30,6 +36,7 @@ if TYPE_CHECKING:
     from torch.nn import Module
 
     from lightning_gaudi_ds.planning.auto import AutoStage
+    from lightning_gaudi_ds.planning.inputs import PlanInputs
 
 
 class StrategyConfig(ConfigResolver):
@@ -183,17 +190,28 @@ class StrategyConfig(ConfigResolver):
         module = module if module is not None else getattr(strategy, "lightning_module", None)
         if self.auto is None or not auto.pending(config) or module is None:
             return
-        assert strategy.parallel_devices is not None and isinstance(config, dict)
+        assert isinstance(config, dict)
+        chosen_precision = precision or strategy.precision_plugin.precision
         decision = auto.decide(
-            module, self.auto, device=strategy.root_device, devices=len(strategy.parallel_devices),
-            nodes=strategy.num_nodes, precision=precision or strategy.precision_plugin.precision,
-            zero_config=lambda: self.as_resolved(config).get("zero_optimization"),
+            lambda: self.plan_inputs(strategy, module, chosen_precision), type(module).__name__
         ) if strategy.is_global_zero else auto.Decision()
         decision = strategy.broadcast(decision, src=0) if strategy.world_size > 1 else decision
         self.chosen = auto.adopt(decision, config)
 
+    def plan_inputs(self, strategy: Any, module: Module, precision: str) -> PlanInputs:
+        """What ``stage="auto"`` plans ``module`` with on ``strategy``'s devices (:func:`auto.inputs_for_module`):
+        the config's bucket and communication settings as its resolution will start from them."""
+        assert self.auto is not None and strategy.parallel_devices is not None and isinstance(strategy.config, dict)
+        return auto.inputs_for_module(
+            module, self.auto, device=strategy.root_device, devices=len(strategy.parallel_devices),
+            nodes=strategy.num_nodes, precision=precision,
+            zero_config=self.as_resolved(strategy.config).get("zero_optimization"),
+        )
+
     def as_resolved(self, config: dict[str, Any]) -> dict[str, Any]:
-        """``config`` with the bucket sizes the resolver will give it (from the model unless set)."""
+        """``config`` as its resolution starts (:meth:`ConfigResolver.start`), bucket sizes from the model unless set:
+        for Lightning's default config, the device-tuned keys Lightning filled from its argument defaults
+        (``overlap_comm=True``...) are dropped, so that the device's defaults apply, as they will."""
         if self.source is None:
-            return mark_model_buckets(config, self.explicit_args)
+            return mark_model_buckets(drop_device_tuned(config, self.explicit_args), self.explicit_args)
         return config

@@ -84,30 +84,43 @@ FUSED_ON_CPU = (
 )
 
 
+def fuses_adam(device_type: str | None, optimizer: Optimizer | str) -> bool:
+    """Whether the strategy steps ``optimizer`` with torch's fused kernel (:func:`fuse_on_cpu`): a torch
+    ``Adam``/``AdamW`` on the CPU device that left ``fused`` and ``foreach`` to torch. A name (``"adamw"``) stands
+    for that torch optimizer with its defaults (the memory planner's assumption before ``configure_optimizers``
+    runs)."""
+    if device_type != "cpu":
+        return False
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # a torch without the fused-kernel table: leave torch's choice
+        return False
+    if "cpu" not in _get_fused_kernels_supported_devices():
+        return False
+    if isinstance(optimizer, str):
+        return optimizer.lower() in ("adam", "adamw")
+    if not is_convertible(optimizer):
+        return False
+    groups = optimizer.param_groups
+    if any(g.get("fused") is not None or g.get("foreach") is not None or g.get("differentiable")
+           or g.get("capturable") for g in groups):
+        return False
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    return all(p.dtype in dtypes for g in groups for p in g["params"])
+
+
 def fuse_on_cpu(optimizer: Optimizer | None, device_type: str | None) -> str | None:
     """On the CPU device, turn on ``fused`` in a torch ``Adam``/``AdamW`` that left ``fused`` and ``foreach`` to
-    torch (both None); return the line for the resolved-config log, or None when nothing changed.
+    torch (both None; :func:`fuses_adam` decides); return the line for the resolved-config log, or None when
+    nothing changed.
 
     DeepSpeed's ZeRO optimizers step the wrapped torch optimizer on flat fp32 partitions; on CPU torch then picks
     its per-tensor loop, which allocates temporaries the size of the partition and is the slowest part of ZeRO's
     step. An explicit choice (``fused=False``, ``foreach=True``...) is kept, and so are the options the fused
     kernel lacks (``differentiable``, ``capturable``)."""
-    if device_type != "cpu" or optimizer is None or not is_convertible(optimizer):
+    if optimizer is None or not fuses_adam(device_type, optimizer):
         return None
-    groups = optimizer.param_groups
-    if any(g.get("fused") is not None or g.get("foreach") is not None or g.get("differentiable")
-           or g.get("capturable") for g in groups):
-        return None
-    try:
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-    except ImportError:  # a torch without the fused-kernel table: leave torch's choice
-        return None
-    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-    if "cpu" not in _get_fused_kernels_supported_devices() or any(
-        p.dtype not in dtypes for g in groups for p in g["params"]
-    ):
-        return None
-    for group in groups:
+    for group in optimizer.param_groups:
         group["fused"] = True
     optimizer.defaults["fused"] = True
     return f"optimizer: {type(optimizer).__name__}(fused=True) from configure_optimizers ({FUSED_ON_CPU})"

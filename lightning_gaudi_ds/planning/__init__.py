@@ -1,5 +1,6 @@
 """Memory planning: bytes per rank for each ZeRO stage and offload, and the fastest configuration that fits."""
 
+from lightning_gaudi_ds.planning.inputs import PlanInputs, plan_rows
 from lightning_gaudi_ds.planning.memory import (
     CONFIGURATIONS,
     Buckets,
@@ -7,6 +8,7 @@ from lightning_gaudi_ds.planning.memory import (
     PlanRow,
     choose,
     comm_bytes_per_param,
+    fastest_fitting,
     model_states,
     plan_memory,
 )
@@ -16,11 +18,14 @@ __all__ = [
     "CONFIGURATIONS",
     "Buckets",
     "ModelSpec",
+    "PlanInputs",
     "PlanRow",
     "choose",
     "comm_bytes_per_param",
+    "fastest_fitting",
     "format_bytes",
     "model_states",
     "parse_bytes",
     "plan_memory",
+    "plan_rows",
 ]

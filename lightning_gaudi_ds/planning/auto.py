@@ -1,8 +1,9 @@
 """``stage="auto"``: the fastest ZeRO configuration that fits the real model on the real devices.
 
 Functions of a module and numbers: the strategy's config (:class:`~lightning_gaudi_ds.config.state.StrategyConfig`)
-gathers the facts (devices, precision, memory), rank 0 plans and chooses with :func:`decide`, the
-:class:`Decision` is broadcast, and every rank writes it into its config with :func:`adopt`.
+gathers the facts (devices, precision, memory) into :func:`inputs_for_module` (the inputs ``plan`` builds too),
+rank 0 plans and chooses with :func:`decide`, the :class:`Decision` is broadcast, and every rank writes it into
+its config with :func:`adopt`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 from torch import nn
 
 from lightning_gaudi_ds.config.keys import AUTO
-from lightning_gaudi_ds.planning.memory import DEFAULT_HEADROOM, Buckets, ModelSpec, plan_memory
+from lightning_gaudi_ds.planning.inputs import PlanInputs, plan_rows
+from lightning_gaudi_ds.planning.memory import DEFAULT_HEADROOM, ModelSpec
 from lightning_gaudi_ds.planning.units import parse_bytes
 
 
@@ -79,27 +81,29 @@ def activation_bytes_of(module: nn.Module, precision: str, device: Any) -> int:
         del probe
 
 
-def plan_for_module(
+def inputs_for_module(
     module: nn.Module,
     auto: AutoStage,
     *,
+    device: Any,
     devices: int,
     nodes: int,
     precision: str,
-    device_memory: int | None,
-    host_memory: int | None,
     zero_config: Mapping[str, Any] | None = None,
-    activation_bytes: int | None = None,
     spec: ModelSpec | None = None,
-    device_type: str | None = None,
-) -> list[dict[str, Any]]:
-    """:func:`plan_memory` rows for the module, with bucket sizes (and the device's communication defaults)
-    as the strategy will resolve them."""
-    spec = spec or module_spec(module)
-    return plan_memory(
-        spec, devices=devices, nodes=nodes, precision=precision, device_memory=device_memory,
-        host_memory=host_memory, headroom=auto.headroom, activation_bytes=activation_bytes,
-        buckets=Buckets.for_model(spec.hidden_size, zero_config, device_type),
+) -> PlanInputs:
+    """What ``stage="auto"`` plans with (:class:`PlanInputs`, built as ``plan`` builds them): the module's
+    parameters, ``device``'s type and memory (``auto``'s, else read from it), the host's memory, the activations
+    of one micro batch when asked, and the buckets of ``zero_config`` (the section as the strategy starts
+    resolving it)."""
+    from lightning_gaudi_ds.planning.detect import detect_device_memory, detect_host_memory
+
+    return PlanInputs.build(
+        spec or module_spec(module), device_type=device.type, zero_config=zero_config, devices=devices, nodes=nodes,
+        precision=precision,
+        device_memory=auto.device_memory or detect_device_memory(device.type),
+        host_memory=auto.host_memory or detect_host_memory(), headroom=auto.headroom,
+        activation_bytes=activation_bytes_of(module, precision, device) if auto.measure_activations else None,
     )
 
 
@@ -143,33 +147,19 @@ class Decision:
     error: str | None = None
 
 
-def decide(
-    module: nn.Module,
-    auto: AutoStage,
-    *,
-    device: Any,
-    devices: int,
-    nodes: int,
-    precision: str,
-    zero_config: Callable[[], Mapping[str, Any] | None],
-) -> Decision:
-    """Rank 0's choice, as a value to broadcast. Logs the plan's table and the choice."""
+def decide(inputs: Callable[[], PlanInputs], name: str) -> Decision:
+    """Rank 0's choice for ``inputs()`` (:func:`inputs_for_module`), as a value to broadcast: the rows'
+    :func:`~lightning_gaudi_ds.planning.memory.choose`, as ``plan`` prints it. Logs the plan's table and the
+    choice."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-    from lightning_gaudi_ds.planning.detect import detect_device_memory, detect_host_memory
     from lightning_gaudi_ds.planning.memory import choose, format_table
 
     try:
-        device_memory = auto.device_memory or detect_device_memory(device.type)
-        activations = activation_bytes_of(module, precision, device) if auto.measure_activations else None
-        rows = plan_for_module(
-            module, auto, devices=devices, nodes=nodes, precision=precision,
-            device_memory=device_memory, host_memory=auto.host_memory or detect_host_memory(),
-            zero_config=zero_config(), activation_bytes=activations, device_type=device.type,
-        )
+        rows = plan_rows(inputs())
         row = choose(rows)
-        rank_zero_info(format_table(rows, type(module).__name__)
-                       + f"\nstage='auto' chose {row['label']} (the fastest configuration that fits)")
+        rank_zero_info(format_table(rows, name) + f"\nstage='auto' chose {row['label']} (the fastest configuration"
+                       " that fits)")
         return Decision(choice={k: row[k] for k in ("stage", "offload_optimizer", "offload_parameters", "label")})
     except ValueError as err:
         return Decision(error=str(err))

@@ -90,8 +90,9 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
+    from lightning_gaudi_ds.devices import detect_device_type
     from lightning_gaudi_ds.planning.detect import detect_device_count, detect_device_memory, detect_host_memory
-    from lightning_gaudi_ds.planning.memory import Buckets, plan_memory
+    from lightning_gaudi_ds.planning.inputs import PlanInputs, plan_rows
     from lightning_gaudi_ds.planning.units import parse_bytes
 
     try:
@@ -111,15 +112,17 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         if args.measure_activations:
             activations = _measure(args, module, inputs)
 
-        def plan(model: Any) -> list[dict[str, Any]]:
-            return plan_memory(
-                model, devices=args.devices if args.devices is not None else detect_device_count(args.device),
-                nodes=args.nodes, precision=args.precision, optimizer=args.optimizer,
+        device_type = args.device or detect_device_type()
+
+        def plan(model: Any) -> list[dict[str, Any]]:  # the inputs stage="auto" plans with (strategy's defaults)
+            return plan_rows(PlanInputs.build(
+                model, device_type=device_type, optimizer=args.optimizer,
+                devices=args.devices if args.devices is not None else detect_device_count(args.device),
+                nodes=args.nodes, precision=args.precision,
                 device_memory=device_memory or detect_device_memory(args.device),
                 host_memory=host_memory or detect_host_memory(), headroom=args.headroom,
                 activation_bytes=activations, param_groups=args.param_groups,
-                buckets=Buckets.for_model(model.hidden_size, device_type=args.device),
-            )
+            ))
 
         rows = plan(spec)
         note = bucket_note(spec, rows, plan) if spec.hidden_size is None else None
@@ -138,7 +141,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 
 def _fastest_fitting(rows: Sequence[dict[str, Any]]) -> str:
-    return next((r["label"] for r in rows if r["fits"]), "nothing")
+    from lightning_gaudi_ds.planning.memory import fastest_fitting
+
+    row = fastest_fitting(rows)
+    return "nothing" if row is None else str(row["label"])
 
 
 def bucket_note(spec: Any, rows: Sequence[dict[str, Any]], plan: Any) -> str:

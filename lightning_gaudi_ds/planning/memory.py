@@ -286,13 +286,13 @@ OPTIMIZER_TEMPORARIES = {"adam": 2, "adamw": 2, "lamb": 2, "adagrad": 1, "sgd": 
 
 
 def step_temporary_bytes(stage: int, optimizer: str, spec: ModelSpec, world_size: int,
-                         offload_optimizer: bool = False, device_type: str | None = None) -> int:
+                         offload_optimizer: bool = False, fused: bool = False) -> int:
     """fp32 temporaries of the torch optimizer's update: Adam's single-tensor step (torch's default off CUDA)
     holds ``sqrt(v)`` and ``sqrt(v) / bias_correction`` of the tensor it updates. ZeRO-1/2/3 step one flat fp32
     partition of Ψ/N elements, ZeRO-0 one parameter at a time. DeepSpeed's CPU Adam (offload) needs none, nor
-    torch's fused kernel, which the strategy picks for Adam/AdamW on the CPU device
-    (:func:`lightning_gaudi_ds.engine.train.fuse_on_cpu`)."""
-    if offload_optimizer or (device_type == "cpu" and optimizer.lower() in ("adam", "adamw")):
+    torch's fused kernel (``fused``), which the strategy picks for Adam/AdamW on the CPU device
+    (:func:`lightning_gaudi_ds.engine.train.fuses_adam`)."""
+    if offload_optimizer or fused:
         return 0
     elements = spec.largest_param if stage == 0 else spec.params / world_size
     return int(4 * OPTIMIZER_TEMPORARIES.get(optimizer.lower(), 2) * elements)
@@ -349,6 +349,7 @@ def plan_memory(
     param_groups: int = 1,
     configurations: Sequence[tuple[int, bool, bool]] = CONFIGURATIONS,
     device_type: str | None = None,
+    fused_optimizer: bool | None = None,
 ) -> list[dict[str, Any]]:
     """Predicted bytes per rank for ZeRO stages 0-3 with and without offload, fastest configuration first.
 
@@ -366,6 +367,8 @@ def plan_memory(
             ``device_type``'s communication defaults (``"cpu"``, ``"cuda"``, ``"hpu"``; ``None``: the device here).
         param_groups: the optimizer's parameter groups (more than one keeps ZeRO-1/2's gradient buffer
             through the step).
+        fused_optimizer: whether the optimizer steps with torch's fused kernel (no temporaries); default: as the
+            strategy decides for ``optimizer`` on ``device_type`` (:func:`~lightning_gaudi_ds.engine.train.fuses_adam`).
 
     The device peak is the larger of two moments: backward (the states at the step's entry, DeepSpeed's
     buckets and gathered parameters, the activations) and the optimizer step (the states inside it and the
@@ -389,6 +392,10 @@ def plan_memory(
 
         device_type = detect_device_type()
     buckets = buckets or Buckets.for_model(spec.hidden_size, device_type=device_type)
+    if fused_optimizer is None:
+        from lightning_gaudi_ds.engine.train import fuses_adam
+
+        fused_optimizer = fuses_adam(device_type, optimizer)
     world = devices * nodes
     psi = float(spec.params)
     frozen = spec.frozen_params / psi if psi else 0.0
@@ -406,7 +413,7 @@ def plan_memory(
             dev_parts["buffers"] += int(buckets.reduce_bucket_size * p)  # ipg bucket, allocated once
         dev_states, host_states = sum(dev_parts.values()), sum(host_parts.values())
         step_only = int(round(step_only_bytes(stage, precision, world, off_opt, param_groups) * psi))
-        temporaries = step_temporary_bytes(stage, optimizer, spec, world, off_opt, device_type)
+        temporaries = step_temporary_bytes(stage, optimizer, spec, world, off_opt, fused_optimizer)
         backward_peak = dev_states - step_only + transient + (activation_bytes or 0)
         step_peak = dev_states + temporaries
         device_bytes = max(backward_peak, step_peak)
@@ -427,7 +434,8 @@ def plan_memory(
     for row in rows:
         row.update(params=spec.params, frozen_params=spec.frozen_params, world_size=world, devices=devices,
                    nodes=nodes, precision=precision, optimizer=optimizer, device_memory=dev_mem,
-                   host_memory=host_mem, headroom=headroom, buckets=asdict(buckets))
+                   host_memory=host_mem, headroom=headroom, buckets=asdict(buckets), device_type=device_type,
+                   fused_optimizer=fused_optimizer)
     return rows
 
 
@@ -444,15 +452,20 @@ def _transient_bytes(stage: int, offload_optimizer: bool, spec: ModelSpec, b: Bu
     return int((gathered + persistent) * p)
 
 
+def fastest_fitting(rows: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The first row that fits (rows come fastest first): the one choice ``plan`` prints and ``stage="auto"``
+    trains with; None when nothing fits or the device memory is unknown."""
+    return next((row for row in rows if row["fits"]), None)
+
+
 def choose(rows: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
-    """The first row that fits (rows come fastest first). Raises ``ValueError`` saying what would fit."""
-    unknown = [r for r in rows if r["fits"] is None]
-    if unknown:
+    """:func:`fastest_fitting`; raises ``ValueError`` saying what would fit when nothing does."""
+    if any(r["fits"] is None for r in rows):
         raise ValueError("the device memory is unknown: pass device_memory (e.g. '24GiB') to choose a configuration")
-    for row in rows:
-        if row["fits"]:
-            return row
-    raise ValueError(no_fit_message(rows))
+    row = fastest_fitting(rows)
+    if row is None:
+        raise ValueError(no_fit_message(rows))
+    return row
 
 
 def no_fit_message(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -500,6 +513,18 @@ NO_DEVICE_MEMORY = ("no accelerator here to read the device memory from, so whet
                      " unknown (\"?\"); pass --device-memory, the memory of one device (e.g. --device-memory 96GB)")
 
 
+def assumed_line(row: Mapping[str, Any]) -> str:
+    """The device the rows assume, and whether the optimizer's step temporaries are counted."""
+    name = row["optimizer"]
+    if row.get("fused_optimizer"):
+        temps = f"{name}'s step temporaries not counted (the strategy steps it with torch's fused kernel)"
+    elif OPTIMIZER_TEMPORARIES.get(name.lower(), 2):
+        temps = f"{name}'s step temporaries counted (torch's per-tensor step; none with offload's CPU Adam)"
+    else:
+        temps = f"{name}'s step makes no temporaries"
+    return f"device assumed: {row['device_type']}; {temps}"
+
+
 def format_table(rows: Sequence[dict[str, Any]], name: str = "") -> str:
     """The planner's rows (:func:`choose`) as the text table ``lightning-gaudi-ds plan`` and ``stage="auto"`` print."""
     fb = format_bytes
@@ -508,7 +533,7 @@ def format_table(rows: Sequence[dict[str, Any]], name: str = "") -> str:
             + (f" (+{r0['frozen_params']:,} frozen)" if r0["frozen_params"] else "")
             + f", {r0['world_size']} rank(s) ({r0['devices']} device(s) x {r0['nodes']} node(s)), {r0['precision']},"
             f" {r0['optimizer']}; device memory {fb(r0['device_memory'])}, host memory {fb(r0['host_memory'])}/node,"
-            f" {r0['headroom']:.0%} kept free")
+            f" {r0['headroom']:.0%} kept free\n" + assumed_line(r0))
     cols = ("configuration", "device/rank", "peak in", "params", "grads", "optim", "buffers", "transient",
             "step temps", "host/node", "fits", "sent/rank/step")
     table = [cols]
@@ -536,9 +561,9 @@ def format_table(rows: Sequence[dict[str, Any]], name: str = "") -> str:
               f" {b['stage3_param_persistence_threshold']:,}; overlap_comm {b['overlap_comm']}",
               "activations: " + (f"{fb(act)} (measured, one micro batch) included" if act is not None
                                  else "not included (use --measure-activations)")]
-    fitting = [r for r in rows if r["fits"]]
-    if fitting:
-        lines.append(f"fastest that fits: {fitting[0]['label']}")
+    fastest = fastest_fitting(rows)
+    if fastest is not None:
+        lines.append(f"fastest that fits: {fastest['label']}")
     elif r0["device_memory"] is not None:
         lines.append(no_fit_message(rows))
     else:
