@@ -4,6 +4,7 @@ Time a run, then tabulate it:
 
     LGDS_SUITE_TIMES=/tmp/suite bash scripts/test.sh          # or any pytest selection
     python benchmarks/suite.py /tmp/suite --out benchmarks/results/suite.md --title "after"
+    python benchmarks/suite.py /tmp/after --before /tmp/before     # by file, side by side, with the ratio
 
 ``tests/conftest.py`` writes each test phase's duration to ``<folder>/tests.jsonl``; ``tests/procs.py`` writes every
 job it starts to ``<folder>/jobs.jsonl``: its wall time, and its start-up, from the job's start to the first optimizer
@@ -89,6 +90,35 @@ def tabulate(folder: Path, title: str, top: int = 30) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _by_file(folder: Path) -> dict[str, tuple[int, float]]:
+    """Per test file: how many tests ran, and their seconds."""
+    per_test: dict[str, float] = defaultdict(float)
+    for row in _read(folder / "tests.jsonl"):
+        per_test[row["test"]] += row["seconds"]
+    out: dict[str, tuple[int, float]] = {}
+    for test, seconds in per_test.items():
+        n, total = out.get(_file(test), (0, 0.0))
+        out[_file(test)] = (n + 1, total + seconds)
+    return out
+
+
+def compare(before: Path, after: Path, title: str) -> str:
+    """Two timed runs side by side, by file: tests and seconds in each, and after / before."""
+    old, new = _by_file(before), _by_file(after)
+    if not old or not new:
+        raise SystemExit(f"suite.py: {before if not old else after} holds no tests.jsonl of a timed run")
+    lines = [f"## {title}", "", "| file | tests before | tests after | s before | s after | after / before |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for f in sorted(old.keys() | new.keys(), key=lambda k: -old.get(k, (0, 0.0))[1]):
+        (n0, s0), (n1, s1) = old.get(f, (0, 0.0)), new.get(f, (0, 0.0))
+        ratio = f"{s1 / s0:.2f}" if s0 > 0 and n1 else "—"
+        lines.append(f"| {f} | {n0} | {n1} | {s0:.1f} | {s1:.1f} | {ratio} |")
+    n0, s0 = sum(v[0] for v in old.values()), sum(v[1] for v in old.values())
+    n1, s1 = sum(v[0] for v in new.values()), sum(v[1] for v in new.values())
+    lines.append(f"| **all** | {n0} | {n1} | {s0:.1f} | {s1:.1f} | {s1 / s0:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def _count(values) -> dict[str, int]:
     out: dict[str, int] = defaultdict(int)
     for v in values:
@@ -103,8 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=positive_int, default=30,
                         help="how many of the slowest tests to list (default 30)")
     parser.add_argument("--out", type=Path, help="append the section to this markdown file (default: print it)")
+    parser.add_argument("--before", type=existing_dir,
+                        help="another timed run's folder: print both by file, side by side, instead")
     args = parser.parse_args(argv)
-    text = tabulate(args.folder, args.title, args.top)
+    text = compare(args.before, args.folder, args.title) if args.before else tabulate(args.folder, args.title, args.top)
     if args.out:
         publish.append_text(args.out, text + "\n")
     else:

@@ -28,9 +28,12 @@ NOT_FORK_TIER = ("tests/test_inference.py::test_generate_example_same_text_on_tw
 
 # Variables Lightning's own code writes into the test process: its launcher and cluster environments (a Trainer built
 # with devices > 1 in-process), seed_everything, Trainer(deterministic=True), its CPU thread default.
+# And two that the libraries write once per process, whichever test comes first: Lightning's and DeepSpeed's import
+# (PYTORCH_NVML_BASED_CUDA_CHECK, again after a test has removed it), torch's inductor on first use of its cache.
 LIGHTNING_WRITES = frozenset({
     "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
     "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS",
+    "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR",
 })
 
 
