@@ -682,6 +682,30 @@ class TestCpuAdam:
         assert [(g["lr"], g["betas"], g["eps"], g["weight_decay"]) for g in cpu.param_groups] == [
             (0.01, (0.8, 0.9), 1e-6, 0.05), (0.5, (0.8, 0.9), 1e-6, 0.0)]
 
+    def test_cpu_vendor_asked_once_per_process(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """DeepSpeedCPUAdam asks py-cpuinfo for the vendor on every construction, a subprocess each time (1.4 s):
+        asked once, and py-cpuinfo is left as it was."""
+        import cpuinfo
+
+        from lightning_gaudi_ds.engine import train
+
+        calls: list[int] = []
+
+        def probe() -> dict[str, str]:
+            calls.append(1)
+            return {"vendor_id_raw": "AuthenticAMD"}
+
+        from deepspeed.ops.adam import cpu_adam
+
+        monkeypatch.setattr(cpuinfo, "get_cpu_info", probe)
+        if hasattr(cpu_adam, "get_cpu_info"):  # DeepSpeed 0.16 imports it at the top of its module
+            monkeypatch.setattr(cpu_adam, "get_cpu_info", probe)
+        monkeypatch.setattr(train, "_CPU_INFO", [])
+        first = train.to_cpu_adam(torch.optim.AdamW(self._groups(), lr=0.1))
+        second = train.to_cpu_adam(torch.optim.AdamW(self._groups(), lr=0.1))
+        assert calls == [1] and first.cpu_vendor == second.cpu_vendor == "authenticamd"
+        assert cpuinfo.get_cpu_info is probe and getattr(cpu_adam, "get_cpu_info", probe) is probe
+
     def test_op_loaded_from_this_environments_cache(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """DeepSpeedCPUAdam loads cpu_adam where the set-up built it (the environment's own op cache), not from
         torch's shared default, where another environment's DeepSpeed would make it rebuild (80 s on 2 cores)."""

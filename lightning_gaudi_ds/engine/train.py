@@ -9,8 +9,9 @@ torch steps with torch's fused kernel (:func:`fuse_on_cpu`).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,6 +39,37 @@ def is_convertible(optimizer: Optimizer) -> bool:
     return type(optimizer) in CONVERTIBLE
 
 
+_CPU_INFO: list[dict[str, Any]] = []  # py-cpuinfo's answer, once per process
+
+
+@contextlib.contextmanager
+def _cpu_info_once() -> Iterator[None]:
+    """``DeepSpeedCPUAdam.__init__`` asks py-cpuinfo for the CPU's vendor, which starts a Python subprocess each time
+    (1.4 s on 2 cores): within this block it asks once per process, and py-cpuinfo is left as it was afterwards."""
+    try:
+        import cpuinfo
+        from deepspeed.ops.adam import cpu_adam
+    except ImportError:  # DeepSpeed's own import of them will say so
+        yield
+        return
+    original = cpuinfo.get_cpu_info
+    # DeepSpeed 0.19 imports it in __init__, from py-cpuinfo; 0.16 at the top of its module: both names, restored
+    owners = [m for m in (cpuinfo, cpu_adam) if getattr(m, "get_cpu_info", None) is original]
+
+    def cached() -> dict[str, Any]:
+        if not _CPU_INFO:
+            _CPU_INFO.append(original())
+        return dict(_CPU_INFO[0])
+
+    for owner in owners:
+        owner.get_cpu_info = cached
+    try:
+        yield
+    finally:
+        for owner in owners:
+            owner.get_cpu_info = original
+
+
 def to_cpu_adam(optimizer: Optimizer, scheduler: Any | None = None) -> DeepSpeedCPUAdam:
     """A ``DeepSpeedCPUAdam`` over ``optimizer``'s parameter groups, with its lr, betas, eps and weight decay.
 
@@ -61,7 +93,7 @@ def to_cpu_adam(optimizer: Optimizer, scheduler: Any | None = None) -> DeepSpeed
     for group in optimizer.param_groups:  # DeepSpeedCPUAdam's C++ step takes plain floats
         group["lr"] = float(group["lr"])
         group["betas"] = tuple(float(b) for b in group["betas"])
-    with op_cache():  # the cpu_adam op the set-up built for this environment (DeepSpeed loads it here)
+    with op_cache(), _cpu_info_once():  # the cpu_adam op the set-up built for this environment (loaded here)
         cpu_adam = DeepSpeedCPUAdam(
             optimizer.param_groups,
             lr=float(defaults["lr"]),
