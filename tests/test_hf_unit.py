@@ -163,3 +163,51 @@ def test_export_hf_of_a_checkpoint_without_a_hugging_face_model_says_what_to_use
     with pytest.raises(CheckpointError, match=r"records no Hugging Face model.*--to safetensors"):
         export_hf(ckpt, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_export_hf_never_writes_over_the_folder_that_holds_its_input(tmp_path: Path, capsys: Any) -> None:
+    from lightning_gaudi_ds.cli import main
+
+    project = tmp_path / "proj"
+    project.mkdir()
+    ckpt = _stage_0_checkpoint(project, _Wrapper(_tiny_llama(True)))
+    (project / "config.json").write_text("{}")
+    (project / "notes.txt").write_text("mine")
+    assert main(["convert", str(ckpt), str(project), "--to", "hf", "--overwrite"]) == 2
+    out = capsys.readouterr().out
+    assert f"output {str(project)!r} holds the checkpoint {str(ckpt)!r}" in out, out
+    assert str(project / "hf_model") in out
+    assert sorted(p.name for p in project.iterdir()) == ["config.json", ckpt.name, "notes.txt"]
+    assert ckpt.is_dir() and (project / "notes.txt").read_text() == "mine"
+
+
+def test_export_hf_overwrite_replaces_only_what_an_export_writes(tmp_path: Path) -> None:
+    from lightning_gaudi_ds import export_hf
+
+    ckpt = _stage_0_checkpoint(tmp_path, _Wrapper(_tiny_llama(True)))
+    out = export_hf(ckpt, tmp_path / "hf", max_shard_size="20KB")  # sharded: model-0000N-of-0000M + index
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    (out / "notes.txt").write_text("mine")
+    (out / "model-00001-of-00099.safetensors").write_bytes(b"an older export's shard")
+    export_hf(ckpt, out, overwrite=True)  # one file now: the shards and their index would shadow or outlive it
+    names = sorted(p.name for p in out.iterdir())
+    assert "notes.txt" in names and (out / "notes.txt").read_text() == "mine"
+    assert "model.safetensors" in names and not [n for n in names if n.startswith("model-") or "index" in n], names
+    assert not (tmp_path / "hf.partial").exists()
+    transformers.AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_export_hf_checks_max_shard_size_before_reading_anything(tmp_path: Path, capsys: Any) -> None:
+    from lightning_gaudi_ds import export_hf
+    from lightning_gaudi_ds.cli import main
+
+    with pytest.raises(ConfigError, match=r"max_shard_size \(--max-shard-size\) 'lots' is not a size.*\"5GB\""):
+        export_hf(tmp_path / "no_such.ckpt", tmp_path / "hf", max_shard_size="lots")
+    ckpt = _stage_0_checkpoint(tmp_path, _Wrapper(_tiny_llama(True)))
+    for bad in ("lots", "0GB", "-5MB", "5GiB"):
+        assert main(["convert", str(ckpt), str(tmp_path / "hf"), "--to", "hf", f"--max-shard-size={bad}"]) == 2
+        out = capsys.readouterr().out
+        assert f"error: max_shard_size (--max-shard-size) {bad!r} is not a size" in out and '"500MB"' in out, out
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
+    assert main(["convert", str(ckpt), str(tmp_path / "hf"), "--to", "hf", "--max-shard-size", "1.5MB"]) == 0
