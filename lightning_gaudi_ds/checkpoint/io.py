@@ -355,6 +355,8 @@ def prepare_save(final: PathLike) -> Path:
     staging = partial_path(final)
     if not (final.exists() or final.is_symlink()) and (staging / MANIFEST).is_file():
         os.replace(staging, final)  # a commit interrupted between its two renames: finish it
+        log.warning("%s was a complete checkpoint whose save stopped before its rename: renamed to %s, which this"
+                    " save of the same name now replaces", staging, final)
     for leftover in (staging, final.with_name(final.name + REPLACED)):
         if leftover.exists():
             log.warning("Removing %s, left by an interrupted save", leftover)
