@@ -264,10 +264,10 @@ def test_cli_convert_reports_bad_input(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------------ real jobs
 def run_plan(out: Path, devices: int, plan: list[dict[str, Any]], check: bool = True, timeout: float = 480,
-             pg_timeout: float = 60) -> tuple[Any, dict[str, list[dict[str, Any]]]]:
+             pg_timeout: float = 60, env: dict[str, str] | None = None) -> tuple[Any, dict[str, list[dict[str, Any]]]]:
     """Run ckpt_job.py; return the job result and, per fit name, the results of every rank."""
     result = run_job([sys.executable, str(JOBS / "ckpt_job.py"), "--out", str(out), "--devices", str(devices),
-                      "--plan", json.dumps(plan), "--pg-timeout", str(pg_timeout)], timeout)
+                      "--plan", json.dumps(plan), "--pg-timeout", str(pg_timeout)], timeout, env=env)
     print(f"ckpt_job {devices} rank(s), {len(plan)} fits: {result.seconds:.1f}s")
     if check:
         result.check()
@@ -514,3 +514,33 @@ def test_killed_mid_save_keeps_last_loadable(job_killed, job_2ranks, job_back_to
     for a, full in zip(after, job_2ranks["fits"]["s2-32-true"], strict=True):
         assert_resumed_state(a)
         assert steps(a, K + 1, 2 * K) == pytest.approx(steps(full, K + 1, 2 * K), rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.multiprocess
+def test_last_adopts_a_complete_save_that_died_before_its_rename(tmp_path):
+    """A real fit saves "last" at step K; its rename is undone (the save died between manifest and rename). A new
+    fit(ckpt_path="last") must not start over and then save over it; a restart resumes from it."""
+    import shutil
+
+    from lightning_gaudi_ds.launch._proc import RESTART_ENV
+
+    ckpts = tmp_path / "ckpts"
+    _, first = run_plan(tmp_path / "out1", 1, [{"name": "first", "dir": str(ckpts), "max_steps": K}])
+    (ckpts / "last.ckpt").rename(ckpts / "last.ckpt.partial")
+    manifest = (ckpts / "last.ckpt.partial" / ckpt.MANIFEST).read_text()
+    shutil.copytree(ckpts, tmp_path / "restart")
+    result, fits = run_plan(tmp_path / "out2", 1, [{"name": "last", "dir": str(ckpts), "ckpt_path": "last",
+                                                     "max_steps": K}])
+    assert "last.ckpt.partial was a complete checkpoint whose save stopped before its rename" in result.output
+    assert 'to resume from it, pass ckpt_path="last"' in result.output, result.output[-3000:]
+    (last,) = fits["last"]
+    assert last["start"]["global_step"] == 0  # Lightning resolved "last" to None before the strategy saw the fit
+    assert (ckpts / "last.ckpt" / ckpt.MANIFEST).read_text() == manifest  # adopted, and kept: not saved over
+    assert "last-v1.ckpt" in last["ckpt_dir_listing"] and "last.ckpt.partial" not in last["ckpt_dir_listing"]
+    # a restart (fit without ckpt_path resumes from "last") adopts it and resumes exactly where it stopped
+    result, fits = run_plan(tmp_path / "out3", 1, [{"name": "restart", "dir": str(tmp_path / "restart"),
+                                                     "max_steps": 2 * K}], env={RESTART_ENV: "1"})
+    (resumed,) = fits["restart"]
+    assert resumed["start"]["global_step"] == K and resumed["end"]["global_step"] == 2 * K
+    assert resumed["start"]["outputs"] == first["first"][0]["end"]["outputs"]
+    assert "was a complete checkpoint whose save stopped before its rename" in result.output
