@@ -17,6 +17,7 @@ import contextlib
 import functools
 import logging
 import os
+import pickle
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -35,6 +36,7 @@ from lightning_gaudi_ds import checkpoint as ckpt
 from lightning_gaudi_ds import hf, hpu
 from lightning_gaudi_ds._compat import _PATH, _StrategyRegistry, attached_trainer, weights_only_dropped_by_lightning
 from lightning_gaudi_ds.checkpoint import resume
+from lightning_gaudi_ds.checkpoint.io import unsafe_refusal
 from lightning_gaudi_ds.config import StrategyConfig, load_config, offloads_optimizer
 from lightning_gaudi_ds.config.validate import check_trainer
 from lightning_gaudi_ds.devices import DeviceSpec, device_spec
@@ -327,8 +329,14 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
             weights_only = weights_only_dropped_by_lightning()
         if self._inference is not None:  # any ZeRO stage's shards, merged in memory, or one converted file
             return inference.load_full_state_dict(self.broadcast(str(checkpoint_path)), weights_only)
-        if self.load_full_weights and self.zero_stage_3:
-            return super().load_checkpoint(checkpoint_path, weights_only)
+        if self.load_full_weights and self.zero_stage_3:  # one file, torch.load's: its refusal names the file
+            try:
+                return super().load_checkpoint(checkpoint_path, weights_only)
+            except pickle.UnpicklingError as err:
+                refused = unsafe_refusal(checkpoint_path, err)
+                if refused is None:
+                    raise
+                raise refused from err
         zero_stage, trainer = self.zero_stage, attached_trainer(self.lightning_module)
         return ckpt.load_checkpoint(
             checkpoint_path, self, zero_stage=zero_stage, module=self.lightning_module, engine=self.deepspeed_engine,
