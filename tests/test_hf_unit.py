@@ -281,3 +281,14 @@ def test_a_cut_short_safetensors_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(SafetensorError, match=rf"^{file}: .*incomplete metadata.*cut short or damaged"):
         with process.zero_init_context(None, contextlib.nullcontext):
             transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+
+
+def test_fabric_load_full_weights_refuses_a_pickled_payload_naming_the_file(tmp_path: Path) -> None:
+    from lightning_gaudi_ds import UnsafeCheckpointError
+    from lightning_gaudi_ds.fabric import HPUDeepSpeedStrategy
+
+    file = tmp_path / "model.ckpt"
+    torch.save({"w": torch.zeros(2), "payload": _Payload()}, file)
+    strategy = HPUDeepSpeedStrategy(stage=3, load_full_weights=True)
+    with pytest.raises(UnsafeCheckpointError, match=rf"{file} holds .*pass `weights_only=False` to fabric.load"):
+        strategy.load_checkpoint(file, {"model": torch.nn.Linear(2, 2)}, weights_only=True)

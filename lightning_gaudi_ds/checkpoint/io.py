@@ -109,6 +109,19 @@ def unsafe_refusal(file: PathLike, err: pickle.UnpicklingError,
     )
 
 
+@contextlib.contextmanager
+def refusal_named(file: PathLike, opt_in: str = TRAINER_OPT_IN) -> Iterator[None]:
+    """Inside (a loader of one file that calls ``torch.load`` itself, e.g. Lightning's for ``load_full_weights``):
+    torch's ``weights_only`` refusal of ``file`` is raised as :func:`unsafe_refusal`'s error."""
+    try:
+        yield
+    except pickle.UnpicklingError as err:
+        refused = unsafe_refusal(file, err, opt_in)
+        if refused is None:
+            raise
+        raise refused from err
+
+
 def verify_files(files: Iterable[PathLike], weights_only: bool | None = None, opt_in: str = TRAINER_OPT_IN) -> None:
     """Read each file through torch's safe unpickler first (its tensors memory-mapped, not read) when
     ``weights_only`` resolves to True; for the files a loader that cannot be told ``weights_only`` (DeepSpeed's,
