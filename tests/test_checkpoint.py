@@ -518,29 +518,29 @@ def test_killed_mid_save_keeps_last_loadable(job_killed, job_2ranks, job_back_to
 
 @pytest.mark.multiprocess
 def test_last_adopts_a_complete_save_that_died_before_its_rename(tmp_path):
-    """A real fit saves "last" at step K; its rename is undone (the save died between manifest and rename). A new
-    fit(ckpt_path="last") must not start over and then save over it; a restart resumes from it."""
+    """A real 2-rank fit saves "last" at step K; its rename is undone (the save died between manifest and rename).
+    A new fit(ckpt_path="last") must not start over and then save over it; a restart resumes from it."""
     import shutil
 
     from lightning_gaudi_ds.launch._proc import RESTART_ENV
 
     ckpts = tmp_path / "ckpts"
-    _, first = run_plan(tmp_path / "out1", 1, [{"name": "first", "dir": str(ckpts), "max_steps": K}])
+    _, first = run_plan(tmp_path / "out1", 2, [{"name": "first", "dir": str(ckpts), "max_steps": K}])
     (ckpts / "last.ckpt").rename(ckpts / "last.ckpt.partial")
     manifest = (ckpts / "last.ckpt.partial" / ckpt.MANIFEST).read_text()
     shutil.copytree(ckpts, tmp_path / "restart")
-    result, fits = run_plan(tmp_path / "out2", 1, [{"name": "last", "dir": str(ckpts), "ckpt_path": "last",
+    result, fits = run_plan(tmp_path / "out2", 2, [{"name": "last", "dir": str(ckpts), "ckpt_path": "last",
                                                      "max_steps": K}])
     assert "last.ckpt.partial was a complete checkpoint whose save stopped before its rename" in result.output
     assert 'to resume from it, pass ckpt_path="last"' in result.output, result.output[-3000:]
-    (last,) = fits["last"]
-    assert last["start"]["global_step"] == 0  # Lightning resolved "last" to None before the strategy saw the fit
+    for rank in fits["last"]:  # Lightning resolved "last" to None before the strategy saw the fit
+        assert rank["start"]["global_step"] == 0
+        assert "last-v1.ckpt" in rank["ckpt_dir_listing"] and "last.ckpt.partial" not in rank["ckpt_dir_listing"]
     assert (ckpts / "last.ckpt" / ckpt.MANIFEST).read_text() == manifest  # adopted, and kept: not saved over
-    assert "last-v1.ckpt" in last["ckpt_dir_listing"] and "last.ckpt.partial" not in last["ckpt_dir_listing"]
     # a restart (fit without ckpt_path resumes from "last") adopts it and resumes exactly where it stopped
-    result, fits = run_plan(tmp_path / "out3", 1, [{"name": "restart", "dir": str(tmp_path / "restart"),
+    result, fits = run_plan(tmp_path / "out3", 2, [{"name": "restart", "dir": str(tmp_path / "restart"),
                                                      "max_steps": 2 * K}], env={RESTART_ENV: "1"})
-    (resumed,) = fits["restart"]
-    assert resumed["start"]["global_step"] == K and resumed["end"]["global_step"] == 2 * K
-    assert resumed["start"]["outputs"] == first["first"][0]["end"]["outputs"]
     assert "was a complete checkpoint whose save stopped before its rename" in result.output
+    for rank, before in zip(fits["restart"], first["first"], strict=True):
+        assert rank["start"]["global_step"] == K and rank["end"]["global_step"] == 2 * K
+        assert rank["start"]["outputs"] == before["end"]["outputs"]
