@@ -11,6 +11,8 @@ import argparse
 import contextlib
 import functools
 import inspect
+import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -779,6 +781,27 @@ def last_checkpoint_candidates(trainer: pl.Trainer) -> set[str]:
         if isinstance(callback, ModelCheckpoint):
             candidates |= callback._find_last_checkpoints(trainer)
     return {str(c) for c in candidates if c}
+
+
+def interrupted_last_checkpoints(trainer: pl.Trainer, suffix: str) -> set[str]:
+    """The "last" checkpoints of :func:`last_checkpoint_candidates` that exist only as ``<name><suffix>`` (a save in
+    progress or cut short): each ``OnExceptionCheckpoint``'s path, and each name in a ``ModelCheckpoint``'s
+    ``dirpath`` that ``_find_last_checkpoints`` would list (``last*.ckpt``, Lightning 2.6.6's pattern) once
+    ``suffix`` is taken off. Returns the names, not the ``suffix`` folders."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+
+    callbacks: list[Any] = getattr(trainer, "callbacks", [])
+    names = {str(cb.ckpt_path) for cb in callbacks if isinstance(cb, OnExceptionCheckpoint) and cb.ckpt_path}
+    for callback in trainer.checkpoint_callbacks:
+        folder = getattr(callback, "dirpath", None)
+        if not (isinstance(callback, ModelCheckpoint) and folder and os.path.isdir(folder)):
+            continue
+        last = re.compile(rf"^{callback.CHECKPOINT_NAME_LAST}(-(\d+))?")
+        for entry in os.listdir(folder):
+            name = Path(entry.removesuffix(suffix))
+            if entry.endswith(suffix) and name.suffix == callback.FILE_EXTENSION and last.match(name.stem):
+                names.add(os.path.normpath(os.path.join(folder, name)))
+    return {n for n in names if not os.path.lexists(n) and os.path.isdir(n + suffix)}
 
 
 def note_sigterm(trainer: pl.Trainer) -> None:

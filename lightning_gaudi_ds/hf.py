@@ -12,6 +12,7 @@ for exactly as long as the partitioned construction lasts, and restores transfor
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
 import importlib.util
 import json
@@ -66,6 +67,76 @@ def zero3_loading(config: dict[str, Any] | None) -> Iterator[None]:
             else:
                 hf_deepspeed.unset_hf_deepspeed_config()
         del hf_config
+
+
+@contextlib.contextmanager
+def loading_errors_named() -> Iterator[None]:
+    """Inside (``configure_model``, Fabric's ``init_module``): two errors of ``from_pretrained`` that name nothing
+    name what failed, raised as the same type. A model id that is neither a folder nor in the Hugging Face cache
+    while offline (an ``OSError``) gets the id and the fix; a cut-short safetensors file ("incomplete metadata",
+    safetensors' ``SafetensorError``) gets the file."""
+    try:
+        yield
+    except OSError as err:
+        repo = _offline_miss(err)
+        if repo is None:
+            raise
+        raise OSError(
+            f"from_pretrained({repo!r}): no folder of that name, and it is not in the Hugging Face cache while the"
+            " hub is offline (HF_HUB_OFFLINE=1 or local_files_only=True). Pass the path of the model's folder, or"
+            f" download it once with the hub online (unset HF_HUB_OFFLINE; `hf download {repo}`)."
+        ) from err
+    except Exception as err:
+        broken = _broken_safetensors(err) if type(err).__name__ == "SafetensorError" else []
+        if not broken:
+            raise
+        raise type(err)(f"{', '.join(broken)}: {err}. The file is cut short or damaged (an interrupted download or"
+                        " copy): download or copy it again.") from err
+
+
+def _frame_values(err: BaseException) -> Iterator[tuple[str, Any]]:
+    """The local variables of every frame ``err`` passed through, innermost first."""
+    frames = []
+    tb = err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        yield from frame.f_locals.items()
+
+
+def _offline_miss(err: OSError) -> str | None:
+    """The model id of transformers' "couldn't connect ... couldn't find them in the cached files" while offline."""
+    try:
+        from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+    except ImportError:
+        return None
+    cause: BaseException | None = err
+    while cause is not None and not isinstance(cause, (LocalEntryNotFoundError, OfflineModeIsEnabled)):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return None
+    return next((v for k, v in _frame_values(err) if k in ("path_or_repo_id", "pretrained_model_name_or_path")
+                 and isinstance(v, str) and not Path(v).is_dir()), None)
+
+
+def _broken_safetensors(err: BaseException) -> list[str]:
+    """The safetensors files the failing load was reading that do not open."""
+    from safetensors import safe_open
+
+    files: list[str] = []
+    for _, value in _frame_values(err):
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, (str, Path)) and str(item).endswith(".safetensors") and str(item) not in files:
+                files.append(str(item))
+    broken = []
+    for file in files:
+        try:
+            with safe_open(file, "pt"):
+                pass
+        except Exception:  # noqa: BLE001  (any failure to open is what is reported)
+            broken.append(file)
+    return broken
 
 
 @contextlib.contextmanager
@@ -155,8 +226,11 @@ def mark_leaf_modules(model: Module, classes: tuple[type[Module], ...]) -> None:
 
     missing = [c.__name__ for c in classes if not any(isinstance(m, c) for m in model.modules())]
     if missing:
+        has = sorted({type(m).__name__ for m in model.modules()})
+        close = sorted({n for name in missing for n in difflib.get_close_matches(name, has, n=3, cutoff=0.5)})
+        listed = f"close names it has: {', '.join(close)}" if close else f"its module classes: {', '.join(has[:12])}"
         raise ConfigError(
-            f"HPUDeepSpeedStrategy(zero3_leaf_modules=...): the model has no {', '.join(missing)} module. Name"
-            " classes the model built in configure_model uses, e.g. its mixture-of-experts block."
+            f"HPUDeepSpeedStrategy(zero3_leaf_modules=...): the model has no {', '.join(missing)} module ({listed})."
+            " Name classes the model built in configure_model uses, e.g. its mixture-of-experts block."
         )
     set_z3_leaf_modules(model, list(classes))

@@ -35,6 +35,7 @@ from lightning_gaudi_ds import checkpoint as ckpt
 from lightning_gaudi_ds import hf, hpu
 from lightning_gaudi_ds._compat import _PATH, _StrategyRegistry, attached_trainer, weights_only_dropped_by_lightning
 from lightning_gaudi_ds.checkpoint import resume
+from lightning_gaudi_ds.checkpoint.io import refusal_named
 from lightning_gaudi_ds.config import StrategyConfig, load_config, offloads_optimizer
 from lightning_gaudi_ds.config.validate import check_trainer
 from lightning_gaudi_ds.devices import DeviceSpec, device_spec
@@ -80,7 +81,8 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
             may also be keys of ``config``; see :mod:`lightning_gaudi_ds.engine.inference`.
         zero3_leaf_modules: under ZeRO-3, module classes (or import paths) whose parameters are gathered at once when
             the module runs: mixture-of-experts blocks, whose experts run on some ranks only (DeepSpeed's
-            ``set_z3_leaf_modules``). Ignored at stages 0-2.
+            ``set_z3_leaf_modules``). A class the model lacks is a ``ConfigError`` naming close ones; ignored at
+            stages 0-2, with one warning.
         **kwargs: every other argument of :class:`lightning.pytorch.strategies.DeepSpeedStrategy`.
     """
 
@@ -327,8 +329,9 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
             weights_only = weights_only_dropped_by_lightning()
         if self._inference is not None:  # any ZeRO stage's shards, merged in memory, or one converted file
             return inference.load_full_state_dict(self.broadcast(str(checkpoint_path)), weights_only)
-        if self.load_full_weights and self.zero_stage_3:
-            return super().load_checkpoint(checkpoint_path, weights_only)
+        if self.load_full_weights and self.zero_stage_3:  # one file, torch.load's: its refusal names the file
+            with refusal_named(checkpoint_path):
+                return super().load_checkpoint(checkpoint_path, weights_only)
         zero_stage, trainer = self.zero_stage, attached_trainer(self.lightning_module)
         return ckpt.load_checkpoint(
             checkpoint_path, self, zero_stage=zero_stage, module=self.lightning_module, engine=self.deepspeed_engine,

@@ -264,10 +264,11 @@ def test_cli_convert_reports_bad_input(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------------ real jobs
 def run_plan(out: Path, devices: int, plan: list[dict[str, Any]], check: bool = True, timeout: float = 480,
-             pg_timeout: float = 60) -> tuple[Any, dict[str, list[dict[str, Any]]]]:
+             pg_timeout: float = 60, env: dict[str, str] | None = None) -> tuple[Any, dict[str, list[dict[str, Any]]]]:
     """Run ckpt_job.py; return the job result and, per fit name, the results of every rank."""
     result = run_job([sys.executable, str(JOBS / "ckpt_job.py"), "--out", str(out), "--devices", str(devices),
-                      "--plan", json.dumps(plan), "--pg-timeout", str(pg_timeout)], timeout, ranks=devices)
+                      "--plan", json.dumps(plan), "--pg-timeout", str(pg_timeout)], timeout, env=env,
+                     ranks=devices)
     print(f"ckpt_job {devices} rank(s), {len(plan)} fits: {result.seconds:.1f}s")
     if check:
         result.check()
@@ -514,3 +515,33 @@ def test_killed_mid_save_keeps_last_loadable(job_killed, job_2ranks, job_back_to
     for a, full in zip(after, job_2ranks["fits"]["s2-32-true"], strict=True):
         assert_resumed_state(a)
         assert steps(a, K + 1, 2 * K) == pytest.approx(steps(full, K + 1, 2 * K), rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.multiprocess
+def test_last_adopts_a_complete_save_that_died_before_its_rename(tmp_path):
+    """A real 2-rank fit saves "last" at step K; its rename is undone (the save died between manifest and rename).
+    A new fit(ckpt_path="last") must not start over and then save over it; a restart resumes from it."""
+    import shutil
+
+    from lightning_gaudi_ds.launch import envvars
+
+    ckpts = tmp_path / "ckpts"
+    _, first = run_plan(tmp_path / "out1", 2, [{"name": "first", "dir": str(ckpts), "max_steps": K}])
+    (ckpts / "last.ckpt").rename(ckpts / "last.ckpt.partial")
+    manifest = (ckpts / "last.ckpt.partial" / ckpt.MANIFEST).read_text()
+    shutil.copytree(ckpts, tmp_path / "restart")
+    result, fits = run_plan(tmp_path / "out2", 2, [{"name": "last", "dir": str(ckpts), "ckpt_path": "last",
+                                                     "max_steps": K}])
+    assert "last.ckpt.partial was a complete checkpoint whose save stopped before its rename" in result.output
+    assert 'to resume from it, pass ckpt_path="last"' in result.output, result.output[-3000:]
+    for rank in fits["last"]:  # Lightning resolved "last" to None before the strategy saw the fit
+        assert rank["start"]["global_step"] == 0
+        assert "last-v1.ckpt" in rank["ckpt_dir_listing"] and "last.ckpt.partial" not in rank["ckpt_dir_listing"]
+    assert (ckpts / "last.ckpt" / ckpt.MANIFEST).read_text() == manifest  # adopted, and kept: not saved over
+    # a restart (fit without ckpt_path resumes from "last") adopts it and resumes exactly where it stopped
+    result, fits = run_plan(tmp_path / "out3", 2, [{"name": "restart", "dir": str(tmp_path / "restart"),
+                                                     "max_steps": 2 * K}], env={envvars.RESTART.name: "1"})
+    assert "was a complete checkpoint whose save stopped before its rename" in result.output
+    for rank, before in zip(fits["restart"], first["first"], strict=True):
+        assert rank["start"]["global_step"] == K and rank["end"]["global_step"] == 2 * K
+        assert rank["start"]["outputs"] == before["end"]["outputs"]

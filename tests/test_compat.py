@@ -702,6 +702,8 @@ def test_trainer_hooks_used_by_resume() -> None:
     parse = inspect.signature(_CheckpointConnector._parse_ckpt_path)
     assert list(parse.parameters) == ["self", "state_fn", "ckpt_path", "model_provided", "model_connected"], used_by
     assert callable(getattr(ModelCheckpoint, "_find_last_checkpoints", None)), used_by
+    find_last = inspect.getsource(ModelCheckpoint._find_last_checkpoints)  # _compat.interrupted_last_checkpoints
+    assert 'rf"^{self.CHECKPOINT_NAME_LAST}(-(\\d+))?"' in find_last and "self.FILE_EXTENSION" in find_last, used_by
     from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
     connector = _SignalConnector(object())  # type: ignore[arg-type]

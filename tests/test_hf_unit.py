@@ -163,3 +163,132 @@ def test_export_hf_of_a_checkpoint_without_a_hugging_face_model_says_what_to_use
     with pytest.raises(CheckpointError, match=r"records no Hugging Face model.*--to safetensors"):
         export_hf(ckpt, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_export_hf_never_writes_over_the_folder_that_holds_its_input(tmp_path: Path, capsys: Any) -> None:
+    from lightning_gaudi_ds.cli import main
+
+    project = tmp_path / "proj"
+    project.mkdir()
+    ckpt = _stage_0_checkpoint(project, _Wrapper(_tiny_llama(True)))
+    (project / "config.json").write_text("{}")
+    (project / "notes.txt").write_text("mine")
+    assert main(["convert", str(ckpt), str(project), "--to", "hf", "--overwrite"]) == 2
+    out = capsys.readouterr().out
+    assert f"output {str(project)!r} holds the checkpoint {str(ckpt)!r}" in out, out
+    assert str(project / "hf_model") in out
+    assert sorted(p.name for p in project.iterdir()) == ["config.json", ckpt.name, "notes.txt"]
+    assert ckpt.is_dir() and (project / "notes.txt").read_text() == "mine"
+
+
+def test_export_hf_overwrite_replaces_only_what_an_export_writes(tmp_path: Path) -> None:
+    from lightning_gaudi_ds import export_hf
+
+    ckpt = _stage_0_checkpoint(tmp_path, _Wrapper(_tiny_llama(True)))
+    out = export_hf(ckpt, tmp_path / "hf", max_shard_size="20KB")  # sharded: model-0000N-of-0000M + index
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    (out / "notes.txt").write_text("mine")
+    (out / "model-00001-of-00099.safetensors").write_bytes(b"an older export's shard")
+    export_hf(ckpt, out, overwrite=True)  # one file now: the shards and their index would shadow or outlive it
+    names = sorted(p.name for p in out.iterdir())
+    assert "notes.txt" in names and (out / "notes.txt").read_text() == "mine"
+    assert "model.safetensors" in names and not [n for n in names if n.startswith("model-") or "index" in n], names
+    assert not (tmp_path / "hf.partial").exists()
+    transformers.AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_export_hf_checks_max_shard_size_before_reading_anything(tmp_path: Path, capsys: Any) -> None:
+    from lightning_gaudi_ds import export_hf
+    from lightning_gaudi_ds.cli import main
+
+    with pytest.raises(ConfigError, match=r"max_shard_size \(--max-shard-size\) 'lots' is not a size.*\"5GB\""):
+        export_hf(tmp_path / "no_such.ckpt", tmp_path / "hf", max_shard_size="lots")
+    ckpt = _stage_0_checkpoint(tmp_path, _Wrapper(_tiny_llama(True)))
+    for bad in ("lots", "0GB", "-5MB", "5GiB"):
+        assert main(["convert", str(ckpt), str(tmp_path / "hf"), "--to", "hf", f"--max-shard-size={bad}"]) == 2
+        out = capsys.readouterr().out
+        assert f"error: max_shard_size (--max-shard-size) {bad!r} is not a size" in out and '"500MB"' in out, out
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
+    assert main(["convert", str(ckpt), str(tmp_path / "hf"), "--to", "hf", "--max-shard-size", "1.5MB"]) == 0
+
+
+# ------------------------------------------------------------------------------------- errors that name nothing
+class SparseMoeBlock(torch.nn.Linear):
+    pass
+
+
+class SparseMoEBlock(torch.nn.Linear):  # the class named, one letter off the one the model uses
+    pass
+
+
+def test_a_leaf_module_class_the_model_lacks_names_close_ones_at_stage_3_and_is_ignored_aloud_below() -> None:
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy, hf
+
+    model = torch.nn.Sequential(SparseMoeBlock(2, 2), torch.nn.ReLU())
+    with pytest.raises(ConfigError, match=r"the model has no SparseMoEBlock module \(close names it has:"
+                                          r" SparseMoeBlock\)"):
+        hf.mark_leaf_modules(model, (SparseMoEBlock,))
+    with pytest.raises(ConfigError, match=r"no LSTM module \(its module classes: ReLU, Sequential, SparseMoeBlock\)"):
+        hf.mark_leaf_modules(model, (torch.nn.LSTM,))
+    strategy = HPUDeepSpeedStrategy(stage=2, zero3_leaf_modules=[SparseMoEBlock])
+    with pytest.warns(UserWarning, match=r"zero3_leaf_modules=\[SparseMoEBlock\]\) is ignored at ZeRO stage 2: leaf"
+                                         r" modules matter only under ZeRO-3 \(stage=3\)") as record:
+        strategy._mark_leaf_modules(model)
+        strategy._mark_leaf_modules(model)  # once
+    assert len([w for w in record if "is ignored at ZeRO stage" in str(w.message)]) == 1
+
+
+class _Payload:
+    pass
+
+
+def test_load_full_weights_refuses_a_pickled_payload_naming_the_file_and_the_opt_in(tmp_path: Path) -> None:
+    from lightning_gaudi_ds import HPUDeepSpeedStrategy, UnsafeCheckpointError
+
+    file = tmp_path / "model.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(2)}, "payload": _Payload()}, file)
+    strategy = HPUDeepSpeedStrategy(stage=3, load_full_weights=True)
+    with pytest.raises(UnsafeCheckpointError, match=rf"{file} holds what torch's safe loader \(weights_only=True\)"
+                                                    r" refuses to build .*_Payload.*If you trust where this"
+                                                    r" checkpoint came from, pass `weights_only=False` to trainer"):
+        strategy.load_checkpoint(file, weights_only=True)
+
+
+def test_from_pretrained_offline_names_the_model_id_and_the_fix() -> None:
+    import contextlib
+
+    from lightning_gaudi_ds.engine import process
+
+    with pytest.raises(OSError, match=r"from_pretrained\('no-such-org/no-such-model'\): no folder of that name, and"
+                                      r" it is not in the Hugging Face cache while the hub is offline"
+                                      r" \(HF_HUB_OFFLINE=1 or local_files_only=True\)\. Pass the path"):
+        with process.zero_init_context(None, contextlib.nullcontext):  # configure_model's, at every stage
+            transformers.AutoModelForCausalLM.from_pretrained("no-such-org/no-such-model", local_files_only=True)
+
+
+def test_a_cut_short_safetensors_file_is_named(tmp_path: Path) -> None:
+    import contextlib
+
+    from safetensors import SafetensorError
+
+    from lightning_gaudi_ds.engine import process
+
+    _tiny_llama(True).save_pretrained(tmp_path / "model")
+    file = tmp_path / "model" / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])  # an interrupted download
+    with pytest.raises(SafetensorError, match=rf"^{file}: .*incomplete metadata.*cut short or damaged"):
+        with process.zero_init_context(None, contextlib.nullcontext):
+            transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+
+
+def test_fabric_load_full_weights_refuses_a_pickled_payload_naming_the_file(tmp_path: Path) -> None:
+    from lightning_gaudi_ds import UnsafeCheckpointError
+    from lightning_gaudi_ds.fabric import HPUDeepSpeedStrategy
+
+    file = tmp_path / "model.ckpt"
+    torch.save({"w": torch.zeros(2), "payload": _Payload()}, file)
+    strategy = HPUDeepSpeedStrategy(stage=3, load_full_weights=True)
+    with pytest.raises(UnsafeCheckpointError, match=rf"{file} holds .*pass `weights_only=False` to fabric.load"):
+        strategy.load_checkpoint(file, {"model": torch.nn.Linear(2, 2)}, weights_only=True)

@@ -286,6 +286,42 @@ def test_last_on_a_first_run_is_lightnings_message_not_an_error(tmp_path: Path,
     assert trainer.ckpt_path is None
 
 
+def _cut_before_rename(folder: Path, name: str) -> Path:
+    """A save of ``name`` that died between its manifest and its rename: a complete ``<name>.partial``."""
+    from lightning_gaudi_ds.checkpoint import io
+
+    final = folder / name
+    io.commit_save(fake_checkpoint(folder, name=name + ".partial"), final, zero_stage=2, world_size=2)
+    final.rename(io.partial_path(final))
+    return final
+
+
+def test_last_adopts_a_complete_save_cut_short_before_its_rename(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(RESTART_ENV, raising=False)
+    folder = tmp_path / "ckpts"
+    final = _cut_before_rename(folder, "last.ckpt")
+    cut_short = fake_checkpoint(folder, name="last-v3.ckpt.partial", latest=False)  # no manifest: not adopted
+    trainer = _trainer(folder)
+    # Lightning lists no "last" (only *.partial there): ckpt_path=None, or "last" resolved to None
+    with pytest.warns(UserWarning, match=r"last\.ckpt\.partial was a complete checkpoint whose save stopped before"
+                                         r" its rename \(its manifest verifies\): renamed to .*last\.ckpt\. This fit"
+                                         r' starts without it .*pass ckpt_path="last"'):
+        assert resume.resolve_ckpt_path(trainer, None) is None
+    assert final.is_dir() and not (folder / "last.ckpt.partial").exists() and cut_short.is_dir()
+    assert resume.resolve_ckpt_path(trainer, str(final)) == str(final)  # now Lightning's "last"
+
+    # a restart (or "last" that Lightning resolved to an older one) resumes from it when it is the newest
+    again = _cut_before_rename(tmp_path / "again", "last.ckpt")
+    older = fake_checkpoint(tmp_path / "again", name="last-v1.ckpt")
+    os.utime(older, (time.time() - 60, time.time() - 60))
+    trainer = _trainer(tmp_path / "again")
+    assert resume.resolve_ckpt_path(trainer, str(older)) == str(again) and again.is_dir()
+    third = _cut_before_rename(tmp_path / "third", "last.ckpt")
+    monkeypatch.setenv(RESTART_ENV, "1")
+    assert resume.resolve_ckpt_path(_trainer(tmp_path / "third"), None) == str(third)
+
+
 # ------------------------------------------------------------------------------------------- process tests
 STEPS = 10
 

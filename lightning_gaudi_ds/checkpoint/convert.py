@@ -18,6 +18,7 @@ from lightning_gaudi_ds.checkpoint.io import (
     verify_checkpoint,
 )
 from lightning_gaudi_ds.checkpoint.read import read_full_checkpoint
+from lightning_gaudi_ds.errors import ConfigError
 
 TRUST_FLAG = "--trust-pickles"
 _OPT_IN = f"pass `weights_only=False` (`lightning-gaudi-ds convert {TRUST_FLAG}`)"
@@ -74,9 +75,13 @@ def convert_zero_checkpoint_to_fp32_state_dict(
 
 
 def check_output(checkpoint: Path, output: Path, overwrite: bool, file_example: str | None = None) -> None:
-    """Refuse an output inside the checkpoint, or one that exists unless ``overwrite``; with ``file_example`` (a file
-    name such as ``"model.pt"``) the output is a file, and a directory is refused too."""
+    """Refuse an output inside the checkpoint or holding it, or one that exists unless ``overwrite``; with
+    ``file_example`` (a file name such as ``"model.pt"``) the output is a file, and a directory is refused too."""
     out, ckpt = output.resolve(), checkpoint.resolve()
+    if out in ckpt.parents:  # checked first: with --overwrite, a folder that holds the input is no output either
+        example = output / (file_example or "hf_model")
+        raise CheckpointError(f"output {str(output)!r} holds the checkpoint {str(checkpoint)!r} that is read; write"
+                              f" to a new {'file' if file_example else 'folder'} instead, e.g. {str(example)!r}.")
     if out == ckpt or ckpt in out.parents:
         where = f"the fp32 file elsewhere, e.g. {file_example!r}" if file_example else "it elsewhere"
         raise CheckpointError(f"output {str(output)!r} is inside the checkpoint {str(checkpoint)!r}; write {where}.")
@@ -106,7 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace output_file if it exists")
     parser.add_argument("--module", default=None,
                         help="--to hf: the model's attribute in the LightningModule, when it holds several")
-    parser.add_argument("--max-shard-size", default="5GB", help="--to hf: largest safetensors shard (default 5GB)")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="--to hf: largest safetensors shard, a number and KB, MB, GB or TB (default 5GB)")
     parser.add_argument("--merge-adapters", action="store_true",
                         help="--to hf, a PEFT model: write the model with its adapters merged, not the adapters")
     parser.add_argument(TRUST_FLAG, action="store_true",
@@ -133,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
             state = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_file, args.tag,
                                                                overwrite=args.overwrite,
                                                                weights_only=weights_only)["state_dict"]
-    except CheckpointError as err:
+    except (CheckpointError, ConfigError) as err:
         print(f"error: {err}")
         return 2
     except OSError as err:  # an output folder that cannot be created or written

@@ -10,6 +10,7 @@ model is built on the meta device, given the merged tensors, its tied weights ti
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,27 @@ import torch
 
 from lightning_gaudi_ds.checkpoint.convert import check_output, read_fp32_checkpoint
 from lightning_gaudi_ds.checkpoint.io import PARTIAL, CheckpointError, PathLike
+from lightning_gaudi_ds.errors import ConfigError
 
 HF_MODELS = "hugging_face_models"  # key of the Lightning checkpoint: {prefix: {"class", "config", "tokenizer"}}
+# The weight files of a save_pretrained directory: an earlier export's that this one does not write are removed, or
+# transformers would load them (it prefers model.safetensors to an index of shards).
+_WEIGHT_FILE = re.compile(r"(model|adapter_model)(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
+
+
+def check_shard_size(value: int | str) -> int:
+    """``max_shard_size`` in bytes, parsed as ``save_pretrained`` parses it (huggingface_hub's ``parse_size_to_int``:
+    a number and one of the units KB, MB, GB, TB; or an int of bytes); a ``ConfigError`` naming it otherwise."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        size = value if isinstance(value, int) and not isinstance(value, bool) else parse_size_to_int(str(value))
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise ConfigError(f"max_shard_size (--max-shard-size) {value!r} is not a size: pass a number and a unit of"
+                          ' KB, MB, GB or TB, e.g. "5GB" or "500MB" (or an int of bytes).')
+    return size
 
 
 def export_hf(
@@ -39,11 +59,14 @@ def export_hf(
         max_shard_size: the largest safetensors shard, as ``save_pretrained`` takes it.
         dtype: cast the weights (default: fp32, as merged).
         merge_adapters: a PEFT model: write the merged model instead of the adapters.
-        overwrite: replace an existing ``output_dir``.
+        overwrite: write into an existing ``output_dir`` (an earlier export: it holds a ``config.json``). Only the files
+            this export writes are replaced, and an earlier export's weight files that it does not write
+            (``model*.safetensors``, their index); nothing else there is touched.
 
     Returns the directory. Tied weights (``lm_head`` and the embeddings) are written once, as transformers does.
     """
     output_dir = Path(output_dir)
+    check_shard_size(max_shard_size)
     check_output(Path(checkpoint_dir), output_dir, overwrite)
     if output_dir.is_dir() and any(output_dir.iterdir()) and not any(
         (output_dir / name).is_file() for name in ("config.json", "adapter_config.json")
@@ -67,13 +90,26 @@ def export_hf(
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
         for name, data in (entry.get("tokenizer") or {}).items():
             (tmp / Path(name).name).write_bytes(data)
-        if output_dir.exists():
-            shutil.rmtree(output_dir)
-        os.replace(tmp, output_dir)
+        _move_into(tmp, output_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return output_dir
+
+
+def _move_into(tmp: Path, output_dir: Path) -> None:
+    """The files of ``tmp`` into ``output_dir``, each replacing the file of its name; an earlier export's weight files
+    that ``tmp`` does not hold are removed. ``tmp`` itself is removed."""
+    if not output_dir.exists():
+        os.replace(tmp, output_dir)
+        return
+    written = {p.name for p in tmp.iterdir()}
+    for stale in output_dir.iterdir():
+        if stale.name not in written and stale.is_file() and _WEIGHT_FILE.fullmatch(stale.name):
+            stale.unlink()
+    for name in sorted(written):
+        os.replace(tmp / name, output_dir / name)
+    tmp.rmdir()
 
 
 def export_safetensors(
@@ -85,7 +121,7 @@ def export_safetensors(
     from safetensors.torch import save_file
 
     output_file = Path(output_file)
-    check_output(Path(checkpoint_dir), output_file, overwrite)
+    check_output(Path(checkpoint_dir), output_file, overwrite, "model.safetensors")
     state = read_fp32_checkpoint(checkpoint_dir, tag, weights_only)["state_dict"]
     seen: set[int] = set()
     plain: dict[str, torch.Tensor] = {}

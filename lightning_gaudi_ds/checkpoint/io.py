@@ -88,15 +88,38 @@ def load_file(
         with deepspeed_types_allowed():
             return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
-        if "Weights only load failed" not in str(err):  # not a refusal: a damaged file, which callers report as such
+        refused = unsafe_refusal(file, err, opt_in)
+        if refused is None:  # not a refusal: a damaged file, which callers report as such
             raise
-        lines = [line.strip() for line in str(err).splitlines() if "nsupported" in line]  # torch's one-line reason
-        what = re.sub(r"^WeightsUnpickler error: | was not an allowed global by default.*", "",
-                      lines[0] if lines else str(err).strip().splitlines()[-1])
-        raise UnsafeCheckpointError(
-            f"{file} holds what torch's safe loader (weights_only=True) refuses to build ({what}): loading it could"
-            f" run code from the file. If you trust where this checkpoint came from, {opt_in}."
-        ) from err
+        raise refused from err
+
+
+def unsafe_refusal(file: PathLike, err: pickle.UnpicklingError,
+                   opt_in: str = TRAINER_OPT_IN) -> UnsafeCheckpointError | None:
+    """torch's refusal of ``file`` with ``weights_only=True`` as the package's error, naming the file, what was
+    refused and ``opt_in``; None when ``err`` is no such refusal (a damaged file)."""
+    if "Weights only load failed" not in str(err):
+        return None
+    lines = [line.strip() for line in str(err).splitlines() if "nsupported" in line]  # torch's one-line reason
+    what = re.sub(r"^WeightsUnpickler error: | was not an allowed global by default.*", "",
+                  lines[0] if lines else str(err).strip().splitlines()[-1])
+    return UnsafeCheckpointError(
+        f"{file} holds what torch's safe loader (weights_only=True) refuses to build ({what}): loading it could"
+        f" run code from the file. If you trust where this checkpoint came from, {opt_in}."
+    )
+
+
+@contextlib.contextmanager
+def refusal_named(file: PathLike, opt_in: str = TRAINER_OPT_IN) -> Iterator[None]:
+    """Inside (a loader of one file that calls ``torch.load`` itself, e.g. Lightning's for ``load_full_weights``):
+    torch's ``weights_only`` refusal of ``file`` is raised as :func:`unsafe_refusal`'s error."""
+    try:
+        yield
+    except pickle.UnpicklingError as err:
+        refused = unsafe_refusal(file, err, opt_in)
+        if refused is None:
+            raise
+        raise refused from err
 
 
 def verify_files(files: Iterable[PathLike], weights_only: bool | None = None, opt_in: str = TRAINER_OPT_IN) -> None:
@@ -355,6 +378,8 @@ def prepare_save(final: PathLike) -> Path:
     staging = partial_path(final)
     if not (final.exists() or final.is_symlink()) and (staging / MANIFEST).is_file():
         os.replace(staging, final)  # a commit interrupted between its two renames: finish it
+        log.warning("%s was a complete checkpoint whose save stopped before its rename: renamed to %s, which this"
+                    " save of the same name now replaces", staging, final)
     for leftover in (staging, final.with_name(final.name + REPLACED)):
         if leftover.exists():
             log.warning("Removing %s, left by an interrupted save", leftover)

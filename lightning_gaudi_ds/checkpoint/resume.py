@@ -5,6 +5,12 @@ Lightning's ``"last"`` is the newest ``last*.ckpt`` of the ``ModelCheckpoint`` c
 progress or cut short (``*.partial``, no manifest, a shard missing or truncated) is skipped with a warning, never
 loaded. With none at all, Lightning's own message is given ("no last checkpoint available", not an error).
 
+A "last" checkpoint left complete as ``<name>.partial`` (the save died between its manifest and its rename) is
+adopted when a fit starts: renamed to ``<name>``, with one line saying so. A fit that asked for "last" where
+Lightning saw it among the candidates, or a restart, then resumes from it if it is the newest. Lightning resolves
+``ckpt_path="last"`` before the strategy is connected, so when it was the only one Lightning found none, and that
+fit starts without it, saying so (``ModelCheckpoint``'s version counter then saves ``last-v1.ckpt`` beside it).
+
 Under ``lightning-gaudi-ds spawn --max_restarts N`` every rank of a restart sees ``LIGHTNING_GAUDI_DS_RESTART`` > 0:
 a ``trainer.fit`` without ``ckpt_path`` then resumes from ``"last"``.
 """
@@ -16,7 +22,14 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_gaudi_ds.checkpoint.io import MANIFEST, CheckpointError, validate_checkpoint
+from lightning_gaudi_ds.checkpoint.io import (
+    MANIFEST,
+    PARTIAL,
+    CheckpointError,
+    on_rank_zero,
+    partial_path,
+    validate_checkpoint,
+)
 from lightning_gaudi_ds.launch import envvars
 
 
@@ -66,7 +79,8 @@ def resolve_ckpt_path(trainer: Any, checkpoint_path: Any) -> Any:
     """The checkpoint this Trainer restores from, given the path Lightning made of the user's ``ckpt_path`` (see
     the module's docstring): a restart's fit without one resumes from "last"; one of the "last" candidates that is
     incomplete (Lightning's "last" takes the newest by time, complete or not) gives way to the newest complete one,
-    or to none. Any other path is Lightning's."""
+    or to none; a "last" checkpoint left complete as ``<name>.partial`` is adopted first (:func:`adopt_interrupted`,
+    at every fit). Any other path is Lightning's."""
     from lightning.pytorch.trainer.states import TrainerFn
     from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -74,13 +88,24 @@ def resolve_ckpt_path(trainer: Any, checkpoint_path: Any) -> Any:
 
     fitting = trainer.state.fn == TrainerFn.FITTING
     restart = restart_count()
-    if checkpoint_path is None and not (restart and fitting):
+    if checkpoint_path is None and not fitting:
         return None  # nothing to restore: no listing of the checkpoint directories
     candidates = _compat.last_checkpoint_candidates(trainer)
+    if checkpoint_path is not None and str(checkpoint_path) not in candidates:
+        return checkpoint_path  # a path of the user's: Lightning's
+    adopted = adopt_interrupted(trainer)
+    if checkpoint_path is None and not restart:  # no ckpt_path, or "last" that Lightning found none for
+        for final in adopted:
+            rank_zero_warn(f'{_adopted(final)} This fit starts without it (ckpt_path=None, or "last" that Lightning'
+                           f' resolved before the rename); to resume from it, pass ckpt_path="last" (or {final!r}).')
+        return None
+    for final in adopted:
+        rank_zero_info(_adopted(final))
+    candidates |= set(adopted)
     if checkpoint_path is None:
         rank_zero_info(f"Restart {restart} of the job ({envvars.RESTART.name}={restart}): resuming from"
                        " ckpt_path='last'.")
-    elif str(checkpoint_path) not in candidates or _complete(Path(checkpoint_path)):
+    elif not adopted and _complete(Path(checkpoint_path)):
         return checkpoint_path
     chosen, skipped = newest_complete(candidates)
     for reason in skipped:
@@ -92,6 +117,34 @@ def resolve_ckpt_path(trainer: Any, checkpoint_path: Any) -> Any:
         return _compat.lightning_last_checkpoint(trainer, trainer.state.fn)  # None, with Lightning's own message
     rank_zero_info(f'ckpt_path="last": resuming from {chosen}')
     return chosen
+
+
+def adopt_interrupted(trainer: Any) -> list[str]:
+    """Rank 0 renames each "last" checkpoint left complete as ``<name>.partial`` (its manifest written and every
+    file it lists in place: only the rename was missing) to ``<name>``; returns those names, on every rank. One left
+    without a manifest is a save cut short: left as it is (the next save of that name removes it)."""
+    from lightning_gaudi_ds import _compat
+
+    adopted: list[str] = []
+
+    def adopt() -> None:
+        for final in sorted(_compat.interrupted_last_checkpoints(trainer, PARTIAL)):
+            staging = partial_path(final)
+            try:
+                if not validate_checkpoint(staging).has_manifest:
+                    continue
+            except (CheckpointError, OSError):
+                continue
+            os.replace(staging, final)
+            adopted.append(final)
+
+    on_rank_zero(trainer.strategy, "Adopting a checkpoint whose save stopped before its rename", adopt)
+    return list(trainer.strategy.broadcast(adopted))
+
+
+def _adopted(final: str) -> str:
+    return (f"{final}{PARTIAL} was a complete checkpoint whose save stopped before its rename (its manifest"
+            f" verifies): renamed to {final}.")
 
 
 def _complete(path: Path) -> bool:

@@ -17,7 +17,7 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.utilities.seed import reset_seed
 from torch.nn import Module
 
@@ -123,6 +123,12 @@ class StrategyCommon:
     def _mark_leaf_modules(self, model: Module) -> None:
         if self._leaf_modules and self.zero_stage_3:
             hf.mark_leaf_modules(model, self._leaf_modules)
+        elif self._leaf_modules and not getattr(self, "_leaf_modules_ignored", False):
+            self._leaf_modules_ignored = True
+            names = ", ".join(c.__name__ for c in self._leaf_modules)
+            rank_zero_warn(f"HPUDeepSpeedStrategy(zero3_leaf_modules=[{names}]) is ignored at ZeRO stage"
+                           f" {self.config['zero_optimization']['stage']}: leaf modules matter only under ZeRO-3"
+                           " (stage=3), where they are gathered whole. Drop the argument, or run stage 3.")
 
     def teardown(self) -> None:
         super().teardown()  # type: ignore[misc]
@@ -135,6 +141,7 @@ def zero_init_context(config: dict[str, Any] | None, start: Callable[[], Abstrac
     ZeRO-Infinity's NVMe swapper as it starts, which loads the async_io and pin_memory ops where the set-up built
     them (outside it, torch's shared default: a JIT build there, and a hang on its lock if that build is killed)."""
     with ExitStack() as stack, op_cache():  # a failing start leaves nothing entered
+        stack.enter_context(hf.loading_errors_named())
         stack.enter_context(hf.zero3_loading(config))
         stack.enter_context(start())
         return stack.pop_all()
