@@ -509,6 +509,23 @@ class TestStrategyWiring:
         assert HPUDeepSpeedStrategy(**everything)._resolver.explicit_args == {"stage": 3}
         assert copy.deepcopy(named)._resolver.explicit_args == named._resolver.explicit_args
 
+    def test_offload_turned_off_with_false_is_accepted_as_lightning_does(self) -> None:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+        from lightning.fabric import Fabric
+
+        from lightning_gaudi_ds.fabric import HPUDeepSpeedStrategy as FabricStrategy
+
+        config = {"train_micro_batch_size_per_gpu": 1,
+                  "zero_optimization": {"stage": 2, "offload_optimizer": False}}
+        fabric = Fabric(accelerator="cpu", devices=1, strategy=FabricStrategy(config=copy.deepcopy(config)))
+        for strategy in (_strategy(config=copy.deepcopy(config)), fabric.strategy):
+            assert strategy.config["zero_optimization"]["offload_optimizer"] is False  # kept, as Lightning keeps it
+        resolved = fabric.strategy._resolver.resolve_with(fabric.strategy, None, "32-true")  # what DeepSpeed gets
+        assert "offload_optimizer" not in resolved["zero_optimization"] and not dsc.offloads_optimizer(resolved)
+        assert DeepSpeedZeroConfig(**resolved["zero_optimization"]).offload_optimizer is None  # DeepSpeed takes it
+        with pytest.raises(ConfigError, match="offload_optimizer: true is not valid"):  # `true` names no device
+            _strategy(config={"zero_optimization": {"stage": 2, "offload_optimizer": True}})
+
     def test_default_config_is_lightning_s(self) -> None:
         strategy = _strategy(stage=3)
         assert strategy._resolver.source is None

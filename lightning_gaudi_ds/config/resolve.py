@@ -80,6 +80,7 @@ from lightning_gaudi_ds.config.keys import (
     report,
     same,
     set_key,
+    without_disabled_offload,
 )
 from lightning_gaudi_ds.config.load import ConfigError, load_config, validate_config
 from lightning_gaudi_ds.config.sizing import bucket_hints, bucket_sizes, mark_model_buckets
@@ -404,7 +405,7 @@ class ConfigResolver:
         """A fresh copy of the unresolved config. For Lightning's default config (no user config) the bucket
         sizes become ``"auto"``, so they come from the model's hidden size rather than Lightning's 2e8."""
         if self._base is None:
-            self._base = copy.deepcopy(dict(current))
+            self._base = copy.deepcopy(without_disabled_offload(current))
         base = self._base
         if self.source is None:
             base = drop_device_tuned(base, self.explicit_args)
