@@ -203,8 +203,10 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
             loaded_by_deepspeed.append(True)
             return super(HPUDeepSpeedStrategy, self).load_checkpoint(path, state, strict, weights_only)
 
+        # The path is checked before the engine is read: an engine without `.module` yet meets the path's error first
         client_state = ckpt.load_checkpoint(
-            path, self, zero_stage=self.zero_stage, module=engine.module, fitting=engine.optimizer is not None,
+            path, self, zero_stage=self.zero_stage, module=getattr(engine, "module", None),
+            fitting=getattr(engine, "optimizer", None) is not None,
             engine=engine, deepspeed_load=deepspeed_load, weights_only=weights_only, strict=strict,
             opt_in=_FABRIC_OPT_IN,
         )

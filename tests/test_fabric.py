@@ -166,6 +166,19 @@ def test_init_module_starts_zero_init_in_the_environments_op_cache(monkeypatch: 
     assert seen == [str(extensions_root())] and "TORCH_EXTENSIONS_DIR" not in os.environ
 
 
+def test_load_checks_the_path_before_it_reads_the_engine(tmp_path: Path) -> None:
+    """As Lightning's: a folder that is not a checkpoint is named first, whatever engine the state holds (a stand-in
+    here, without the `.module` a real engine has)."""
+    from unittest import mock
+
+    from deepspeed import DeepSpeedEngine
+
+    engine = mock.Mock(spec=DeepSpeedEngine, optimizer=None)
+    with pytest.raises(FileNotFoundError, match="The provided path is not a valid DeepSpeed checkpoint"):
+        HPUDeepSpeedStrategy().load_checkpoint(path=tmp_path, state={"model": engine, "step": 0})
+    engine.load_checkpoint.assert_not_called()
+
+
 # --------------------------------------------------------------------------- Gaudi wiring (test double)
 def hpu_fabric(**kwargs: Any) -> Fabric:
     kwargs.setdefault("strategy", HPUDeepSpeedStrategy(stage=2))
