@@ -119,6 +119,15 @@ def test_precision_the_device_cannot_run_is_refused_when_fabric_is_built() -> No
     assert str(fabric_error.value) == str(trainer_error.value)
 
 
+@pytest.mark.parametrize("cls", [HPUDeepSpeedStrategy, TrainerStrategy])
+def test_setup_environment_without_devices_says_who_sets_them(cls: type) -> None:
+    from lightning.fabric.accelerators import CPUAccelerator
+
+    strategy = cls(accelerator=CPUAccelerator())  # as Lightning's own test builds it: no Fabric, no devices
+    with pytest.raises(RuntimeError, match=r"found no devices \(parallel_devices=None\).*Fabric\(strategy=\.\.\.\)"):
+        strategy.setup_environment()
+
+
 def test_stage_auto_needs_device_memory_on_cpu_before_anything_starts() -> None:
     with pytest.raises(ValueError, match="device_memory"):
         Fabric(accelerator="cpu", devices=1, strategy=HPUDeepSpeedStrategy(stage="auto"))
