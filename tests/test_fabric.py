@@ -298,6 +298,20 @@ def test_zero_offload_trains_the_torch_adam_as_cpu_adam(fabric_runs: list[dict[s
 
 
 @pytest.mark.multiprocess
+def test_setup_refuses_what_deepspeed_fails_on_later_and_names_the_fix(fabric_runs: list[dict[str, Any]]) -> None:
+    for rank in fabric_runs:
+        run = rank["refusals"]
+        # ZeRO-2 without an optimizer: DeepSpeed's "zero stage 2 requires an optimizer" AssertionError, 31 lines deep
+        assert run["no_optimizer"].startswith("ConfigError: fabric.setup_module(Sequential) at ZeRO stage 2"), run
+        assert "fabric.setup(model, optimizer)" in run["no_optimizer"]
+        assert "HPUDeepSpeedStrategy(stage=0)" in run["no_optimizer"] and run["stage0_forward"] > 0  # the fix works
+        # the same raw module set up twice at ZeRO-3: refused at set-up, not in stage3's backward
+        assert run["set_up_twice"].startswith("ConfigError: fabric.setup got a Sequential that a ZeRO-3 engine"), run
+        assert "Use the model that the first fabric.setup returned" in run["set_up_twice"]
+        assert run["first_after_refusal"][1] < run["first_after_refusal"][0]  # the first model still trains
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [2, 3])
 def test_save_and_load_resume_exactly(fabric_runs: list[dict[str, Any]], stage: int) -> None:
     for rank in fabric_runs:
