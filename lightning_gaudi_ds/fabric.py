@@ -137,7 +137,8 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         if optimizer is not None:
             # Fabric has no resolved-config log: the CPU default for the optimizer is said here
             device_type = device_spec(self.root_device).device_type
-            optimizer, _ = train.optimizer_sources(self.config, optimizer, None, device_type, rank_zero_info)
+            optimizer, _ = train.optimizer_sources(self.config, optimizer, None, device_type, rank_zero_info,
+                                                   fabric=True)
         self._runtime.before_engine(model, self.root_device)
         engine, ds_optimizer, ds_scheduler = process.initialize(
             self, process.deepspeed_args(self.root_device, self.local_rank), model, optimizer, scheduler

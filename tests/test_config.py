@@ -592,6 +592,14 @@ class TestOptimizerSources:
         assert isinstance(optimizer, torch.optim.AdamW)  # DeepSpeed prefers the scheduler it is given, as here
         assert isinstance(scheduler_config.scheduler, torch.optim.lr_scheduler.StepLR)
 
+    def test_under_fabric_the_optimizer_given_to_setup_wins_as_in_lightnings_fabric(self) -> None:
+        from lightning_gaudi_ds.engine.train import optimizer_sources
+
+        given = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+        with pytest.warns(UserWarning, match=r"^The SGD given to fabric.setup wins over the DeepSpeed config's"
+                                             r" `optimizer` section \(AdamW\), which is ignored"):
+            assert optimizer_sources({"optimizer": {"type": "AdamW"}}, given, None, fabric=True) == (given, None)
+
     def test_no_optimizer_anywhere(self) -> None:
         strategy = _wired({}, "none")
         with pytest.raises(ValueError, match="configure_optimizers returned None and the DeepSpeed config has no"

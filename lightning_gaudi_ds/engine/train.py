@@ -116,20 +116,28 @@ def fuse_on_cpu(optimizer: Optimizer | None, device_type: str | None) -> str | N
 
 def optimizer_sources(
     config: Mapping[str, Any], optimizer: Optimizer, scheduler_config: LRSchedulerConfig | None,
-    device_type: str | None = None, filled: Callable[[str], None] | None = None,
+    device_type: str | None = None, filled: Callable[[str], None] | None = None, *, fabric: bool = False,
 ) -> tuple[Optimizer | None, LRSchedulerConfig | None]:
     """The optimizer and scheduler to hand to ``deepspeed.initialize`` besides the config's own sections.
 
     ``optimizer`` and ``scheduler_config`` are what ``configure_optimizers`` returned (Lightning's
     ``_MockOptimizer`` when it returned None). Where both supply one, Lightning's choice wins, with a warning: the
-    config's optimizer (and then its scheduler, or none), else configure_optimizers' scheduler. Raises
+    config's optimizer (and then its scheduler, or none), else configure_optimizers' scheduler; under Fabric
+    (``fabric``) the optimizer given to ``fabric.setup``. Raises
     :class:`ConfigError` (a ``MisconfigurationException``) when neither supplies an optimizer, or when ZeRO-Offload
     is on and the optimizer cannot become DeepSpeedCPUAdam; converts a torch Adam/AdamW under ZeRO-Offload, and on
     the CPU device (``device_type``) otherwise fuses it (:func:`fuse_on_cpu`; ``filled`` receives the log line).
     """
     client: Optimizer | None = None if isinstance(optimizer, _MockOptimizer) else optimizer
     client_scheduler = getattr(scheduler_config, "scheduler", None)
-    if "optimizer" in config and client is not None:
+    if fabric and "optimizer" in config and client is not None:
+        # Lightning's Fabric strategy passes both on, and DeepSpeed prefers the optimizer it is given
+        rank_zero_warn(
+            f"The {type(client).__name__} given to fabric.setup wins over the DeepSpeed config's `optimizer` section"
+            f" ({_section_type(config, 'optimizer')}), which is ignored (as by Lightning's Fabric DeepSpeedStrategy)."
+            " Remove the section, or build the optimizer from it: leave the optimizer out of fabric.setup."
+        )
+    elif "optimizer" in config and client is not None:
         # Lightning's DeepSpeedStrategy then skips configure_optimizers: the config's optimizer and scheduler train
         ignored = ", ".join(type(o).__name__ for o in (client, client_scheduler) if o is not None)
         rank_zero_warn(
