@@ -132,8 +132,8 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         # the device rank from the local rank (CPU and HPU devices have no index), and the engine compiled if asked.
         precision = self.precision.precision
         self._resolver.choose(self, model, precision)
+        _check_engine_inputs(model, optimizer, self.config)  # the stage is known: refused before any work
         self.config = self._resolver.resolve_with(self, model, precision)
-        _check_engine_inputs(model, optimizer, self.config)
         if optimizer is not None:
             # Fabric has no resolved-config log: the CPU default for the optimizer is said here
             device_type = device_spec(self.root_device).device_type
