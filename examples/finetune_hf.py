@@ -139,7 +139,7 @@ class FineTuneCLI(LightningCLI):
         trainer = self.trainer
         root = Path(trainer.log_dir or trainer.default_root_dir)  # broadcast from rank 0
         checkpoint = root / "checkpoints" / "last.ckpt"
-        trainer.save_checkpoint(checkpoint)  # every rank writes its shard
+        trainer.save_checkpoint(checkpoint, weights_only=False)  # every rank writes its shard, optimizer too
         if not trainer.is_global_zero:
             return
         out = Path(self.config.fit.export_dir or root / "hf")
@@ -160,7 +160,11 @@ class FineTuneCLI(LightningCLI):
 
 def main(args: Optional[list[str]] = None) -> None:
     warnings.filterwarnings("ignore", message=".*`tensorboardX` has been removed as a dependency.*")
-    FineTuneCLI(HFCausalLM, TextData, seed_everything_default=42, args=args)
+    with warnings.catch_warnings():  # for this run only
+        # Lightning 2.6's CombinedLoader builds torch's deprecated LeafSpec at every fit/validate: nothing to act on
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                category=FutureWarning)
+        FineTuneCLI(HFCausalLM, TextData, seed_everything_default=42, args=args)
 
 
 if __name__ == "__main__":

@@ -454,7 +454,7 @@ class LMCLI(LightningCLI):
         if self.config.fit.save_checkpoint:
             root = Path(trainer.log_dir or trainer.default_root_dir)  # broadcast from rank 0
             checkpoint = root / "checkpoints" / "last.ckpt"
-            trainer.save_checkpoint(checkpoint)  # every rank writes its shard
+            trainer.save_checkpoint(checkpoint, weights_only=False)  # every rank writes its shard, optimizer too
         report = next((c for c in trainer.callbacks if isinstance(c, RunReport)), None)
         if trainer.is_global_zero and report is not None:
             print(report.summary(trainer, checkpoint), flush=True)
@@ -470,7 +470,11 @@ class _NoTips(logging.Filter):
 def main(args: Optional[list[str]] = None) -> None:
     warnings.filterwarnings("ignore", message=".*`tensorboardX` has been removed as a dependency.*")
     rank_zero.log.addFilter(_NoTips())  # the logger of Lightning's rank_zero_info
-    LMCLI(LitGPT, TextDataModule, seed_everything_default=42, args=args)
+    with warnings.catch_warnings():  # for this run only
+        # Lightning 2.6's CombinedLoader builds torch's deprecated LeafSpec at every fit/validate: nothing to act on
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                category=FutureWarning)
+        LMCLI(LitGPT, TextDataModule, seed_everything_default=42, args=args)
 
 
 if __name__ == "__main__":

@@ -133,11 +133,13 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         # the device rank from the local rank (CPU and HPU devices have no index), and the engine compiled if asked.
         precision = self.precision.precision
         self._resolver.choose(self, model, precision)
+        _check_engine_inputs(model, optimizer, self.config)  # the stage is known: refused before any work
         self.config = self._resolver.resolve_with(self, model, precision)
         if optimizer is not None:
             # Fabric has no resolved-config log: the CPU default for the optimizer is said here
             device_type = device_spec(self.root_device).device_type
-            optimizer, _ = train.optimizer_sources(self.config, optimizer, None, device_type, rank_zero_info)
+            optimizer, _ = train.optimizer_sources(self.config, optimizer, None, device_type, rank_zero_info,
+                                                   fabric=True)
         self._runtime.before_engine(model, self.root_device)
         engine, ds_optimizer, ds_scheduler = process.initialize(
             self, process.deepspeed_args(self.root_device, self.local_rank), model, optimizer, scheduler
@@ -205,8 +207,10 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
             loaded_by_deepspeed.append(True)
             return super(HPUDeepSpeedStrategy, self).load_checkpoint(path, state, strict, weights_only)
 
+        # The path is checked before the engine is read: an engine without `.module` yet meets the path's error first
         client_state = ckpt.load_checkpoint(
-            path, self, zero_stage=self.zero_stage, module=engine.module, fitting=engine.optimizer is not None,
+            path, self, zero_stage=self.zero_stage, module=getattr(engine, "module", None),
+            fitting=getattr(engine, "optimizer", None) is not None,
             engine=engine, deepspeed_load=deepspeed_load, weights_only=weights_only, strict=strict,
             opt_in=_FABRIC_OPT_IN,
         )
@@ -229,6 +233,27 @@ _INFERENCE_ONLY = ("tensor_parallel", "dtype", "replace_with_kernel_inject", "in
 _PACKAGE_ONLY = ("device_memory", "measure_activations", "hpu_mode", "torch_compile", "number_checkpoints",
                  "zero3_leaf_modules")
 _FABRIC_OPT_IN = "pass `weights_only=False` to fabric.load"
+
+
+def _check_engine_inputs(model: Module, optimizer: Optimizer | None, config: dict[str, Any]) -> None:
+    """Refuse, before DeepSpeed builds anything, what its engine would fail on later: ZeRO-1/2 without an optimizer
+    (an AssertionError in DeepSpeed), and a module a ZeRO-3 engine already partitions (set up twice; an
+    AttributeError in stage3's backward)."""
+    stage = (config.get("zero_optimization") or {}).get("stage", 0)
+    name = type(model).__name__
+    if optimizer is None and stage in (1, 2) and not config.get("optimizer"):
+        raise ConfigError(
+            f"fabric.setup_module({name}) at ZeRO stage {stage}, without an optimizer: ZeRO stages 1 and 2 partition"
+            f" an optimizer's states, and DeepSpeed refuses an engine without one (\"zero stage {stage} requires an"
+            " optimizer\"). To train, set both up: `model, optimizer = fabric.setup(model, optimizer)`. For a model"
+            " that only runs forward, use stage 0 or 3: `HPUDeepSpeedStrategy(stage=0)`."
+        )
+    if stage == 3 and hasattr(model, "ds_id"):  # DeepSpeed's stage-3 hooks number every module they partition
+        raise ConfigError(
+            f"fabric.setup got a {name} that a ZeRO-3 engine already partitions: this module was set up before, and"
+            " DeepSpeed cannot partition it twice (its backward would fail inside stage 3). Use the model that the"
+            " first fabric.setup returned, or build a new module (under `fabric.init_module()`) for a second model."
+        )
 
 
 def _engines(state: Any) -> list[Any]:

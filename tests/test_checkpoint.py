@@ -165,6 +165,34 @@ def test_a_commit_interrupted_between_its_renames_is_finished_by_the_next_save(t
     assert (final / "checkpoint" / "marker").read_text() == "complete" and ckpt.validate_checkpoint(final).has_manifest
 
 
+def test_commit_takes_the_tag_from_its_one_folder_when_the_engine_wrote_no_latest(tmp_path):
+    final = tmp_path / "a.ckpt"
+    staging = ckpt.prepare_save(final)
+    fake_checkpoint(staging.parent, stage=2, name=staging.name, latest=False)  # `latest` not (yet) written
+    ckpt.commit_save(staging, final, zero_stage=2, world_size=2)
+    info = ckpt.validate_checkpoint(final)
+    assert info.has_manifest and info.tag == "checkpoint" and not staging.exists()
+    two = ckpt.prepare_save(tmp_path / "b.ckpt")
+    fake_checkpoint(two.parent, stage=2, name=two.name, latest=False)
+    (two / "other").mkdir()
+    with pytest.raises(ckpt.IncompleteCheckpointError, match=r"no `latest` file and 2 tag folders \(\['checkpoint'"):
+        ckpt.commit_save(two, tmp_path / "b.ckpt", zero_stage=2, world_size=2)
+
+
+def test_a_save_the_engine_wrote_nothing_for_commits_nothing_and_keeps_the_last(tmp_path, caplog):
+    final = tmp_path / "last.ckpt"
+    _stage(final, "kept")
+    ckpt.commit_save(ckpt.partial_path(final), final, zero_stage=2, world_size=2)
+    staging = ckpt.prepare_save(final)
+    staging.mkdir()  # the engine (a stand-in) wrote no file
+    with caplog.at_level("WARNING"):
+        ckpt.commit_save(staging, final, zero_stage=2, world_size=2)
+    assert "wrote nothing into" in caplog.text and not staging.exists()
+    assert (final / "checkpoint" / "marker").read_text() == "kept" and ckpt.validate_checkpoint(final).has_manifest
+    ckpt.commit_save(ckpt.partial_path(tmp_path / "new.ckpt"), tmp_path / "new.ckpt", zero_stage=2, world_size=2)
+    assert not (tmp_path / "new.ckpt").exists()  # no staging folder at all: nothing made up
+
+
 def test_manifest_catches_lost_and_truncated_files(tmp_path):
     final = tmp_path / "a.ckpt"
     _stage(final, "x")

@@ -261,6 +261,15 @@ class TestResolve:
         assert absent.get("bf16", {}).get("enabled", False) is bf16  # added only where the Trainer needs it
         assert absent.get("fp16", {}).get("enabled", False) is fp16
 
+    @pytest.mark.parametrize("block", ["bf16", "fp16"])
+    def test_a_config_block_enabled_under_a_32_bit_trainer_wins_as_in_lightning(self, block: str) -> None:
+        with pytest.warns(UserWarning, match=rf"^{block}.enabled: the config has true and wins over Trainer\(precision="
+                          rf"'32-true'\), as in Lightning's DeepSpeedStrategy: DeepSpeed trains in {block} and"):
+            c = resolve_config({block: {"enabled": True}}, ctx(precision="32-true"), "ds.json").config
+        assert c[block]["enabled"] is True
+        with pytest.raises(ConfigError, match="bf16.enabled: the config has true"):  # 16-mixed: still refused
+            resolve_config({"bf16": {"enabled": True}}, ctx(precision="16-mixed"))
+
     def test_bfloat16_alias_block(self) -> None:
         c = resolve_config({"bfloat16": {"enabled": "auto"}}, ctx()).config
         assert c["bfloat16"] == {"enabled": True} and "bf16" not in c
@@ -509,6 +518,23 @@ class TestStrategyWiring:
         assert HPUDeepSpeedStrategy(**everything)._resolver.explicit_args == {"stage": 3}
         assert copy.deepcopy(named)._resolver.explicit_args == named._resolver.explicit_args
 
+    def test_offload_turned_off_with_false_is_accepted_as_lightning_does(self) -> None:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+        from lightning.fabric import Fabric
+
+        from lightning_gaudi_ds.fabric import HPUDeepSpeedStrategy as FabricStrategy
+
+        config = {"train_micro_batch_size_per_gpu": 1,
+                  "zero_optimization": {"stage": 2, "offload_optimizer": False}}
+        fabric = Fabric(accelerator="cpu", devices=1, strategy=FabricStrategy(config=copy.deepcopy(config)))
+        for strategy in (_strategy(config=copy.deepcopy(config)), fabric.strategy):
+            assert strategy.config["zero_optimization"]["offload_optimizer"] is False  # kept, as Lightning keeps it
+        resolved = fabric.strategy._resolver.resolve_with(fabric.strategy, None, "32-true")  # what DeepSpeed gets
+        assert "offload_optimizer" not in resolved["zero_optimization"] and not dsc.offloads_optimizer(resolved)
+        assert DeepSpeedZeroConfig(**resolved["zero_optimization"]).offload_optimizer is None  # DeepSpeed takes it
+        with pytest.raises(ConfigError, match="offload_optimizer: true is not valid"):  # `true` names no device
+            _strategy(config={"zero_optimization": {"stage": 2, "offload_optimizer": True}})
+
     def test_default_config_is_lightning_s(self) -> None:
         strategy = _strategy(stage=3)
         assert strategy._resolver.source is None
@@ -550,18 +576,29 @@ class TestOptimizerSources:
             warnings.simplefilter("error")  # Lightning's "returned None ... no optimizer" warning is not shown
             assert strategy._client_optimizer_and_scheduler() == (None, None)
 
-    def test_both_optimizers(self) -> None:
+    def test_both_optimizers_the_configs_wins_as_in_lightning_and_says_so(self) -> None:
         strategy = _wired({"optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"}}, "adamw+sched")
-        with pytest.raises(MisconfigurationException) as err:
-            strategy._client_optimizer_and_scheduler()
-        assert isinstance(err.value, ValueError)  # what it was before it became Lightning's type too
-        assert str(err.value) == (
-            "The DeepSpeed config has an `optimizer` section (AdamW) and configure_optimizers returned AdamW and an"
-            " `scheduler` section (WarmupLR) and configure_optimizers returned StepLR; DeepSpeed takes each from one"
-            " place. Remove the section from the config, or return nothing for it from configure_optimizers (`return"
-            " None` to use the config's optimizer). Lightning's DeepSpeedStrategy would silently use the config's and"
-            " ignore configure_optimizers; HPUDeepSpeedStrategy refuses instead."
-        )
+        with pytest.warns(UserWarning) as record:
+            assert strategy._client_optimizer_and_scheduler() == (None, None)  # DeepSpeed builds both from the config
+        assert [str(w.message) for w in record] == [
+            "The DeepSpeed config's `optimizer` section (AdamW) wins over the AdamW, StepLR that configure_optimizers"
+            " returned, which is ignored (as by Lightning's DeepSpeedStrategy); the scheduler is the config's"
+            " (WarmupLR). Remove the section to train with configure_optimizers'."
+        ]
+        scheduler_only = _wired({"scheduler": {"type": "WarmupLR"}}, "adamw+sched")
+        with pytest.warns(UserWarning, match=r"^configure_optimizers' StepLR wins over the DeepSpeed config's"
+                                             r" `scheduler` section \(WarmupLR\), which is ignored"):
+            optimizer, scheduler_config = scheduler_only._client_optimizer_and_scheduler()
+        assert isinstance(optimizer, torch.optim.AdamW)  # DeepSpeed prefers the scheduler it is given, as here
+        assert isinstance(scheduler_config.scheduler, torch.optim.lr_scheduler.StepLR)
+
+    def test_under_fabric_the_optimizer_given_to_setup_wins_as_in_lightnings_fabric(self) -> None:
+        from lightning_gaudi_ds.engine.train import optimizer_sources
+
+        given = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+        with pytest.warns(UserWarning, match=r"^The SGD given to fabric.setup wins over the DeepSpeed config's"
+                                             r" `optimizer` section \(AdamW\), which is ignored"):
+            assert optimizer_sources({"optimizer": {"type": "AdamW"}}, given, None, fabric=True) == (given, None)
 
     def test_no_optimizer_anywhere(self) -> None:
         strategy = _wired({}, "none")

@@ -215,6 +215,11 @@ def _check_checkpoint_exports(out: str, tmp_path: Path) -> None:
 def _check_run(out: str, stage: int) -> None:
     assert f"(ZeRO stage {stage}), precision bf16-mixed" in _summary_field(out, "run")
     assert "💡 Tip" not in out  # Lightning's litlogger advertisement, filtered by the example
+    # nothing the user cannot act on: Lightning's LeafSpec use (filtered by the example around its run), the example's
+    # save without weights_only, the exit walk's read of torch's deprecated reduce_op (engine/shutdown.py)
+    for line in ("`isinstance(treespec, LeafSpec)` is deprecated", "`weights_only` was not set",
+                 "`torch.distributed.reduce_op` is deprecated"):
+        assert line not in out, out[-3000:]
     assert "6 steps on 2 x cpu" in _summary_field(out, "run")
     first, last = map(float, re.findall(r"train ([\d.]+) -> ([\d.]+)", _summary_field(out, "loss"))[0])
     assert 5.0 < first < 6.0 and last < first - 0.3, (first, last)  # from chance (ln 256 = 5.55) downwards

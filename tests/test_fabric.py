@@ -120,6 +120,15 @@ def test_precision_the_device_cannot_run_is_refused_when_fabric_is_built() -> No
     assert str(fabric_error.value) == str(trainer_error.value)
 
 
+@pytest.mark.parametrize("cls", [HPUDeepSpeedStrategy, TrainerStrategy])
+def test_setup_environment_without_devices_says_who_sets_them(cls: type) -> None:
+    from lightning.fabric.accelerators import CPUAccelerator
+
+    strategy = cls(accelerator=CPUAccelerator())  # as Lightning's own test builds it: no Fabric, no devices
+    with pytest.raises(RuntimeError, match=r"found no devices \(parallel_devices=None\).*Fabric\(strategy=\.\.\.\)"):
+        strategy.setup_environment()
+
+
 def test_stage_auto_needs_device_memory_on_cpu_before_anything_starts() -> None:
     with pytest.raises(ValueError, match="device_memory"):
         Fabric(accelerator="cpu", devices=1, strategy=HPUDeepSpeedStrategy(stage="auto"))
@@ -165,6 +174,19 @@ def test_init_module_starts_zero_init_in_the_environments_op_cache(monkeypatch: 
     with mock.patch.object(deepspeed.zero, "Init", side_effect=start), strategy.module_sharded_context():
         assert "TORCH_EXTENSIONS_DIR" not in os.environ
     assert seen == [str(extensions_root())] and "TORCH_EXTENSIONS_DIR" not in os.environ
+
+
+def test_load_checks_the_path_before_it_reads_the_engine(tmp_path: Path) -> None:
+    """As Lightning's: a folder that is not a checkpoint is named first, whatever engine the state holds (a stand-in
+    here, without the `.module` a real engine has)."""
+    from unittest import mock
+
+    from deepspeed import DeepSpeedEngine
+
+    engine = mock.Mock(spec=DeepSpeedEngine, optimizer=None)
+    with pytest.raises(FileNotFoundError, match="The provided path is not a valid DeepSpeed checkpoint"):
+        HPUDeepSpeedStrategy().load_checkpoint(path=tmp_path, state={"model": engine, "step": 0})
+    engine.load_checkpoint.assert_not_called()
 
 
 # --------------------------------------------------------------------------- Gaudi wiring (test double)
@@ -274,6 +296,20 @@ def test_zero_offload_trains_the_torch_adam_as_cpu_adam(fabric_runs: list[dict[s
         run = rank["offload_stage2"]
         assert run["zero_stage"] == 2
         assert run["losses"] == pytest.approx(rank["ddp"]["losses"], abs=1e-5, rel=0)  # the same Adam, on the CPU
+
+
+@pytest.mark.multiprocess
+def test_setup_refuses_what_deepspeed_fails_on_later_and_names_the_fix(fabric_runs: list[dict[str, Any]]) -> None:
+    for rank in fabric_runs:
+        run = rank["refusals"]
+        # ZeRO-2 without an optimizer: DeepSpeed's "zero stage 2 requires an optimizer" AssertionError, 31 lines deep
+        assert run["no_optimizer"].startswith("ConfigError: fabric.setup_module(Sequential) at ZeRO stage 2"), run
+        assert "fabric.setup(model, optimizer)" in run["no_optimizer"]
+        assert "HPUDeepSpeedStrategy(stage=0)" in run["no_optimizer"] and run["stage0_forward"] > 0  # the fix works
+        # the same raw module set up twice at ZeRO-3: refused at set-up, not in stage3's backward
+        assert run["set_up_twice"].startswith("ConfigError: fabric.setup got a Sequential that a ZeRO-3 engine"), run
+        assert "Use the model that the first fabric.setup returned" in run["set_up_twice"]
+        assert run["first_after_refusal"][1] < run["first_after_refusal"][0]  # the first model still trains
 
 
 @pytest.mark.multiprocess

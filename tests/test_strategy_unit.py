@@ -211,3 +211,18 @@ def test_cli_sees_lightning_arguments_through_kwargs() -> None:
     parser.add_class_arguments(HPUDeepSpeedStrategy, "strategy")
     args = parser.parse_args(["--strategy.stage=3", "--strategy.reduce_bucket_size=1000"])
     assert (args.strategy.stage, args.strategy.reduce_bucket_size) == (3, 1000)
+
+
+def test_the_exit_walk_reads_no_deprecated_torch_object() -> None:
+    """engine/shutdown.py walks every object at exit: `torch.distributed.reduce_op` warns when read (a FutureWarning
+    per rank on every run's last lines), so the walk tells parameters by type."""
+    import warnings
+
+    import torch.distributed
+
+    from lightning_gaudi_ds.engine import shutdown
+
+    assert torch.distributed.reduce_op is not None  # the deprecated object exists (and is among gc's objects)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shutdown._drop_deepspeed_group_references()

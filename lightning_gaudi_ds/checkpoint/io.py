@@ -397,7 +397,13 @@ def commit_save(
     renamed aside first, for a moment in which only ``<name>.replaced`` and the complete ``<name>.partial`` exist.
     """
     staging, final = Path(staging), Path(final)
-    tag = (staging / "latest").read_text().strip()
+    if not staging.is_dir() or not any(staging.iterdir()):
+        # Nothing written (an engine stand-in, a save_checkpoint that writes elsewhere): nothing to commit, and the
+        # checkpoint already under `final`, if any, stays as it was.
+        log.warning("The engine wrote nothing into %s: no checkpoint committed to %s", staging, final)
+        _rmtree(staging)
+        return
+    tag = _saved_tag(staging, final)
     files = {}
     for file in sorted(staging.rglob("*")):
         if file.is_file():
@@ -425,6 +431,21 @@ def commit_save(
         if replaced.exists() or replaced.is_symlink():
             _rmtree(replaced)
     _fsync(final.parent)
+
+
+def _saved_tag(staging: Path, final: Path) -> str:
+    """The tag a save wrote: from DeepSpeed's ``latest`` file, else its one tag folder (an engine that was told
+    ``save_latest=False``, or writes ``latest`` last)."""
+    latest = staging / "latest"
+    if latest.is_file():
+        return latest.read_text().strip()
+    tags = sorted(p.name for p in staging.iterdir() if p.is_dir())
+    if len(tags) != 1:
+        raise IncompleteCheckpointError(
+            f"Checkpoint save to {final} wrote no `latest` file and {len(tags)} tag folders ({tags}) into {staging}:"
+            " which one it saved cannot be told; not committing it. Save with one tag per checkpoint directory."
+        )
+    return tags[0]
 
 
 def remove_checkpoint(path: PathLike) -> None:

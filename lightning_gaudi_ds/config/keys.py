@@ -78,6 +78,20 @@ def offloads_optimizer(config: Any) -> bool:
     return str(device).lower() in ("cpu", "nvme")
 
 
+#: The offload sections a config may turn off with ``false``, as Lightning's strategy accepts them.
+OFFLOAD_SECTIONS = ("offload_optimizer", "offload_param")
+
+
+def without_disabled_offload(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A shallow copy of ``config`` without the offload sections set to ``false`` (no offload), which Lightning
+    keeps in its config and DeepSpeed's own model refuses ("Input should be a valid dictionary")."""
+    out = dict(config)
+    zero = out.get(ZERO)
+    if isinstance(zero, Mapping) and any(zero.get(s) is False for s in OFFLOAD_SECTIONS):
+        out[ZERO] = {k: v for k, v in zero.items() if not (k in OFFLOAD_SECTIONS and v is False)}
+    return out
+
+
 def offloads_parameters(config: Any) -> bool:
     """Whether ``config`` offloads parameters (``offload_param``) to CPU or NVMe; only ZeRO-3 does that."""
     return str(get(config, f"{ZERO}.offload_param.device", None) if isinstance(config, Mapping) else None).lower() \

@@ -34,6 +34,7 @@ from lightning_gaudi_ds.config.keys import (
     offloads_parameters,
     report,
     short,
+    without_disabled_offload,
 )
 from lightning_gaudi_ds.errors import ConfigError, ConfigNotFoundError  # noqa: F401  (importable from here too)
 
@@ -275,7 +276,7 @@ def _section_problems(config: Mapping[str, Any]) -> list[str]:
 
     problems = []
     for name, model in _section_models().items():
-        section = config.get(name)
+        section = (without_disabled_offload(config) if name == ZERO else config).get(name)
         if not isinstance(section, Mapping):
             if name != ZERO and section is not None:
                 problems.append(f"{name}: expected a JSON object such as {{\"enabled\": true}}, got {short(section)}.")

@@ -64,6 +64,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
 from lightning_gaudi_ds.config.keys import (
     AUTO,
     AUTO_KEYS,
@@ -80,6 +82,7 @@ from lightning_gaudi_ds.config.keys import (
     report,
     same,
     set_key,
+    without_disabled_offload,
 )
 from lightning_gaudi_ds.config.load import ConfigError, load_config, validate_config
 from lightning_gaudi_ds.config.sizing import bucket_hints, bucket_sizes, mark_model_buckets
@@ -164,9 +167,15 @@ def _precision(r: _Resolution, ctx: AutoContext) -> None:
         if current == AUTO or (wanted and current is MISSING):
             r.fill(key, wanted, why)
         elif key in r.origin and current is not MISSING and not same(current, wanted):
-            # Lightning's DeepSpeedStrategy lets the config's block win silently: the run would train in another
-            # precision than the Trainer says.
             trainer_precision = {"bf16": "'bf16-mixed'", "fp16": "'16-mixed'"}[block] if current else "'32-true'"
+            if current is True and not (bf16 or fp16):  # a 32-bit Trainer: the config's block wins, as in Lightning's
+                rank_zero_warn(
+                    f"{key}: {r.origin[key]} has true and wins over {why}, as in Lightning's DeepSpeedStrategy:"
+                    f" DeepSpeed trains in {block} and nothing casts the inputs for it; pass"
+                    f" Trainer(precision={trainer_precision}) to say so, or set the key to \"auto\"."
+                )
+                continue
+            # Otherwise Lightning's DeepSpeedStrategy would train in a mix of both (or fail in DeepSpeed): refused.
             r.problems.append(
                 f'{key}: {r.origin[key]} has {fmt(current)}, {why} gives {fmt(wanted)}; set it to "auto" (the Trainer'
                 f" decides) or pass Trainer(precision={trainer_precision}). Lightning's DeepSpeedStrategy would"
@@ -404,7 +413,7 @@ class ConfigResolver:
         """A fresh copy of the unresolved config. For Lightning's default config (no user config) the bucket
         sizes become ``"auto"``, so they come from the model's hidden size rather than Lightning's 2e8."""
         if self._base is None:
-            self._base = copy.deepcopy(dict(current))
+            self._base = copy.deepcopy(without_disabled_offload(current))
         base = self._base
         if self.source is None:
             base = drop_device_tuned(base, self.explicit_args)

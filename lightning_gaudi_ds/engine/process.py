@@ -194,6 +194,13 @@ def prepare_device(
 ) -> None:
     """In ``setup_environment``, before the process group starts: DeepSpeed's accelerator selected (``select``) and
     the device prepared; on an HPU, HCCL set up before the device is touched."""
+    if not strategy.parallel_devices:  # Lightning's DDP code would fail on `assert self.parallel_devices`
+        raise RuntimeError(
+            f"{type(strategy).__name__}.setup_environment() found no devices (parallel_devices="
+            f"{strategy.parallel_devices!r}): Fabric and the Trainer set them from `accelerator` and `devices`. Pass"
+            " the strategy to Fabric(strategy=...) or Trainer(strategy=...), or set `parallel_devices` (for example"
+            " [torch.device('cpu')] * 2) before calling it yourself."
+        )
     spec = device_spec(strategy.root_device)
     runtime.before_accelerator_selected(spec.device_type, strategy.num_processes)
     select(spec)

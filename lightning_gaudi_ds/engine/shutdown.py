@@ -59,7 +59,10 @@ def _drop_deepspeed_group_references() -> None:
 
     for obj in gc.get_objects():
         owner = vars(type(obj)).get("__module__")  # a metaclass's instances (classes) have a descriptor here
-        if not ((isinstance(owner, str) and owner.startswith("deepspeed.")) or isinstance(obj, torch.nn.Parameter)):
+        # By type only: isinstance(obj, Parameter) reads attributes of every object, and torch's deprecated
+        # `torch.distributed.reduce_op` warns when read (a FutureWarning per rank at exit)
+        deepspeeds = isinstance(owner, str) and owner.startswith("deepspeed.")
+        if not (deepspeeds or issubclass(type(obj), torch.nn.Parameter)):
             continue
         attributes = getattr(obj, "__dict__", None)
         if not isinstance(attributes, dict):

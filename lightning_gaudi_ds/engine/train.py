@@ -1,6 +1,7 @@
 """Where the training optimizer and scheduler come from, and ZeRO-Offload's optimizer.
 
-The optimizer and the scheduler each come from the DeepSpeed config *or* from ``configure_optimizers``, never both.
+The optimizer and the scheduler each come from the DeepSpeed config *or* from ``configure_optimizers``; where both
+give one, Lightning's choice wins, said in a warning.
 ZeRO-Offload steps the optimizer on the CPU with DeepSpeed's ``DeepSpeedCPUAdam``; users write
 ``torch.optim.AdamW``. DeepSpeed refuses a torch optimizer when offload is on, so it is converted here, keeping
 every parameter group and hyperparameter. On the CPU device, a torch Adam/AdamW that leaves its implementation to
@@ -160,31 +161,43 @@ def fuse_on_cpu(optimizer: Optimizer | None, device_type: str | None) -> str | N
 
 def optimizer_sources(
     config: Mapping[str, Any], optimizer: Optimizer, scheduler_config: LRSchedulerConfig | None,
-    device_type: str | None = None, filled: Callable[[str], None] | None = None,
+    device_type: str | None = None, filled: Callable[[str], None] | None = None, *, fabric: bool = False,
 ) -> tuple[Optimizer | None, LRSchedulerConfig | None]:
     """The optimizer and scheduler to hand to ``deepspeed.initialize`` besides the config's own sections.
 
     ``optimizer`` and ``scheduler_config`` are what ``configure_optimizers`` returned (Lightning's
-    ``_MockOptimizer`` when it returned None). Raises :class:`ConfigError` (a ``MisconfigurationException``) when
-    the config and the module both supply one, when neither supplies an optimizer, or when ZeRO-Offload is on and
-    the optimizer cannot become DeepSpeedCPUAdam; converts a torch Adam/AdamW under ZeRO-Offload, and on the CPU
-    device (``device_type``) otherwise fuses it (:func:`fuse_on_cpu`; ``filled`` receives the log line).
+    ``_MockOptimizer`` when it returned None). Where both supply one, Lightning's choice wins, with a warning: the
+    config's optimizer (and then its scheduler, or none), else configure_optimizers' scheduler; under Fabric
+    (``fabric``) the optimizer given to ``fabric.setup``. Raises
+    :class:`ConfigError` (a ``MisconfigurationException``) when neither supplies an optimizer, or when ZeRO-Offload
+    is on and the optimizer cannot become DeepSpeedCPUAdam; converts a torch Adam/AdamW under ZeRO-Offload, and on
+    the CPU device (``device_type``) otherwise fuses it (:func:`fuse_on_cpu`; ``filled`` receives the log line).
     """
     client: Optimizer | None = None if isinstance(optimizer, _MockOptimizer) else optimizer
-    both = [
-        f"`{section}` section ({(config[section] or {}).get('type')}) and configure_optimizers returned"
-        f" {type(obj).__name__}"
-        for section, obj in (("optimizer", client), ("scheduler", getattr(scheduler_config, "scheduler", None)))
-        if section in config and obj is not None
-    ]
-    if both:
-        # Lightning's DeepSpeedStrategy silently trains with the config's and ignores configure_optimizers; training
-        # with another optimizer than the code says is worse than stopping.
-        raise ConfigError(
-            f"The DeepSpeed config has an {' and an '.join(both)}; DeepSpeed takes each from one place. Remove"
-            " the section from the config, or return nothing for it from configure_optimizers"
-            " (`return None` to use the config's optimizer). Lightning's DeepSpeedStrategy would silently use the"
-            " config's and ignore configure_optimizers; HPUDeepSpeedStrategy refuses instead."
+    client_scheduler = getattr(scheduler_config, "scheduler", None)
+    if fabric and "optimizer" in config and client is not None:
+        # Lightning's Fabric strategy passes both on, and DeepSpeed prefers the optimizer it is given
+        rank_zero_warn(
+            f"The {type(client).__name__} given to fabric.setup wins over the DeepSpeed config's `optimizer` section"
+            f" ({_section_type(config, 'optimizer')}), which is ignored (as by Lightning's Fabric DeepSpeedStrategy)."
+            " Remove the section, or build the optimizer from it: leave the optimizer out of fabric.setup."
+        )
+    elif "optimizer" in config and client is not None:
+        # Lightning's DeepSpeedStrategy then skips configure_optimizers: the config's optimizer and scheduler train
+        ignored = ", ".join(type(o).__name__ for o in (client, client_scheduler) if o is not None)
+        rank_zero_warn(
+            f"The DeepSpeed config's `optimizer` section ({_section_type(config, 'optimizer')}) wins over the {ignored}"
+            " that configure_optimizers returned, which is ignored (as by Lightning's DeepSpeedStrategy); the"
+            f" scheduler is the config's ({_section_type(config, 'scheduler')}). Remove the section to train with"
+            " configure_optimizers'."
+        )
+        client, scheduler_config = None, None
+    elif "scheduler" in config and client_scheduler is not None:
+        # Lightning passes both on, and DeepSpeed prefers the scheduler it is given over its config's
+        rank_zero_warn(
+            f"configure_optimizers' {type(client_scheduler).__name__} wins over the DeepSpeed config's `scheduler`"
+            f" section ({_section_type(config, 'scheduler')}), which is ignored (as by Lightning's DeepSpeedStrategy)."
+            " Remove the section, or return no scheduler from configure_optimizers to use it."
         )
     if client is None and "optimizer" not in config:
         raise ConfigError(
@@ -213,6 +226,11 @@ def optimizer_sources(
         if line is not None and filled is not None:
             filled(line)
     return client, scheduler_config
+
+
+def _section_type(config: Mapping[str, Any], section: str) -> str | None:
+    block = config.get(section)
+    return block.get("type") if isinstance(block, Mapping) else None
 
 
 def init_optimizers(
@@ -288,9 +306,9 @@ def client_optimizer_and_scheduler(strategy: Any) -> tuple[Optimizer | None, LRS
 
 def initialize_engine(strategy: Any, model: torch.nn.Module) -> None:
     """The Trainer strategy's ``_initialize_deepspeed_train``: a copy of Lightning 2.6.6's (hash-guarded in
-    :mod:`lightning_gaudi_ds._compat`), except that the optimizer and the scheduler each come from the config *or*
-    from ``configure_optimizers`` (Lightning ignores configure_optimizers once the config has an optimizer), see
-    :func:`optimizer_sources`; the engine is compiled afterwards if asked."""
+    :mod:`lightning_gaudi_ds._compat`), with the optimizer and the scheduler chosen as Lightning chooses them, and a
+    warning where the config and ``configure_optimizers`` both give one (:func:`optimizer_sources`); the engine is
+    compiled afterwards if asked."""
     optimizer, scheduler_config = strategy._client_optimizer_and_scheduler()
     scheduler = scheduler_config.scheduler if scheduler_config is not None else None
     engine, ds_optimizer = strategy._setup_model_and_optimizer(model, optimizer, scheduler)

@@ -2,8 +2,9 @@
 runs, each in a new ``Fabric`` (the first ``fabric.launch()`` starts rank 1; later ones find it started).
 
 Runs: the registered strategy names at ZeRO stages 0-3 in fp32 and bf16-mixed, Fabric's DDP as the reference, a
-ZeRO-3 model built under ``fabric.init_module(empty_init=True)``, ``fabric.save``/``fabric.load`` with a resume, and
-a tied-weights Hugging Face model loaded by ``from_pretrained`` inside ``init_module`` under ZeRO-3.
+ZeRO-3 model built under ``fabric.init_module(empty_init=True)``, the set-ups refused before DeepSpeed builds
+anything, ``fabric.save``/``fabric.load`` with a resume, and a tied-weights Hugging Face model loaded by
+``from_pretrained`` inside ``init_module`` under ZeRO-3.
 Each rank writes ``rank<N>.json``: per run, its losses and what it saw.
 """
 
@@ -125,6 +126,28 @@ def reload(strategy: str, directory: Path, devices: int) -> dict[str, Any]:
     return {"eval": loss, "step": state["step"], "after_step": after_step}
 
 
+def refusals() -> dict[str, Any]:
+    """What fabric.setup refuses before DeepSpeed builds anything (each error as ``"Type: message"``), and the fix
+    each message names: a forward-only model at stage 0, the model the first ZeRO-3 set-up returned."""
+    out: dict[str, Any] = {}
+    fabric = fabric_for("hpu_deepspeed_stage_2")
+    try:
+        fabric.setup_module(make_model())
+    except Exception as err:  # noqa: BLE001  (recorded for the test)
+        out["no_optimizer"] = f"{type(err).__name__}: {err}"
+    fabric = fabric_for(lightning_gaudi_ds.fabric.HPUDeepSpeedStrategy(stage=0))
+    out["stage0_forward"] = eval_loss(fabric.setup_module(make_model()), fabric)
+    fabric = fabric_for("hpu_deepspeed_stage_3")
+    model = make_model()
+    first, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=LR))
+    try:
+        fabric.setup(model, torch.optim.Adam(model.parameters(), lr=LR))
+    except Exception as err:  # noqa: BLE001
+        out["set_up_twice"] = f"{type(err).__name__}: {err}"
+    out["first_after_refusal"] = train(fabric, first, optimizer, 0, 2)
+    return out
+
+
 def hf_from_pretrained(directory: Path) -> dict[str, Any]:
     """A tiny Llama with tied embedding/head, saved by rank 0, loaded by ``from_pretrained`` inside
     ``fabric.init_module(empty_init=True)`` under ZeRO-3; its first loss against the same folder loaded in plain
@@ -184,6 +207,7 @@ def main() -> None:
         results[f"bf16_stage{stage}"] = run(lightning_gaudi_ds.fabric.HPUDeepSpeedStrategy(stage=stage), "bf16-mixed")
     results["init_module_stage3"] = run("hpu_deepspeed_stage_3", init_module=True)
     results["offload_stage2"] = run("hpu_deepspeed_stage_2_offload")  # torch Adam becomes DeepSpeedCPUAdam
+    results["refusals"] = refusals()
     for stage in (2, 3):
         results[f"resume_stage{stage}"] = save_and_resume(f"hpu_deepspeed_stage_{stage}", out / "ckpt" / str(stage))
     results["hf_stage3"] = hf_from_pretrained(out)
