@@ -38,6 +38,21 @@ LIGHTNING_WRITES = frozenset({
 
 
 @pytest.fixture(autouse=True)
+def rank_zero_as_it_was() -> Iterator[None]:
+    """Lightning's strategies set ``rank_zero_only.rank`` to their global rank in-process (a Trainer or Fabric with
+    rank 1 wired to the Gaudi double): put it back, or every later rank-zero warning of the session stays silent."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    before = getattr(rank_zero_only, "rank", None)
+    yield
+    if before is None:
+        if hasattr(rank_zero_only, "rank"):
+            del rank_zero_only.rank
+    else:
+        rank_zero_only.rank = before
+
+
+@pytest.fixture(autouse=True)
 def environ_as_it_was() -> Iterator[None]:
     """Every test ends with ``os.environ`` as it began, as Lightning's own test harness demands. What Lightning's code
     wrote is put back; anything else a test leaves behind fails it: the package promises not to touch the
