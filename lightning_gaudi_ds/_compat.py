@@ -792,3 +792,42 @@ def handler_before_lightning(trainer: pl.Trainer, signum: int) -> Callable[[int,
     is a Python function, as Lightning calls it from its own handler; None for the defaults."""
     handler = trainer._signal_connector._original_handlers.get(signum)
     return handler if callable(handler) else None
+
+
+# ------------------------------------------------------------------------- mid-epoch resume (data position)
+def hook_train_loaders(trainer: pl.Trainer, ready: Callable[[list[Any]], None]) -> None:
+    """Call ``ready(loaders)`` once, in this Trainer's next fit, with the train loaders Lightning 2.6.6 built
+    (``FitLoop.setup_data``: after ``_process_dataloader`` and ``_load_combined_loader_states``, before the data
+    fetcher makes their iterator). Only this Trainer instance changes; hooking it again replaces ``ready``."""
+    loop = trainer.fit_loop
+    first = getattr(loop, "_lgds_loaders_ready", None) is None
+    loop._lgds_loaders_ready = ready  # type: ignore[attr-defined]
+    if not first:
+        return
+    original = loop._load_combined_loader_states
+
+    def load_states() -> None:
+        original()
+        pending, loop._lgds_loaders_ready = loop._lgds_loaders_ready, False  # type: ignore[attr-defined]
+        if pending and loop._combined_loader is not None:
+            pending(list(loop._combined_loader.flattened))
+
+    loop._load_combined_loader_states = load_states  # type: ignore[method-assign]
+
+
+def silence_next_epoch_reset(trainer: pl.Trainer, message: str) -> None:
+    """Leave out the warnings starting with ``message`` that this Trainer's next ``_TrainingEpochLoop.reset``
+    (Lightning 2.6.6: where it warns that a mid-epoch resume re-reads a non-resumable loader) gives."""
+    import re
+    import warnings
+
+    loop = trainer.fit_loop.epoch_loop
+    original = loop.reset
+
+    def reset() -> None:
+        loop.reset = original  # type: ignore[method-assign]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=re.escape(message))
+            original()
+
+    loop.reset = reset  # type: ignore[method-assign]
