@@ -794,40 +794,45 @@ def handler_before_lightning(trainer: pl.Trainer, signum: int) -> Callable[[int,
     return handler if callable(handler) else None
 
 
+
 # ------------------------------------------------------------------------- mid-epoch resume (data position)
-def hook_train_loaders(trainer: pl.Trainer, ready: Callable[[list[Any]], None]) -> None:
-    """Call ``ready(loaders)`` once, in this Trainer's next fit, with the train loaders Lightning 2.6.6 built
-    (``FitLoop.setup_data``: after ``_process_dataloader`` and ``_load_combined_loader_states``, before the data
-    fetcher makes their iterator). Only this Trainer instance changes; hooking it again replaces ``ready``."""
-    loop = trainer.fit_loop
-    first = getattr(loop, "_lgds_loaders_ready", None) is None
-    loop._lgds_loaders_ready = ready  # type: ignore[attr-defined]
-    if not first:
-        return
-    original = loop._load_combined_loader_states
-
-    def load_states() -> None:
-        original()
-        pending, loop._lgds_loaders_ready = loop._lgds_loaders_ready, False  # type: ignore[attr-defined]
-        if pending and loop._combined_loader is not None:
-            pending(list(loop._combined_loader.flattened))
-
-    loop._load_combined_loader_states = load_states  # type: ignore[method-assign]
-
-
-def silence_next_epoch_reset(trainer: pl.Trainer, message: str) -> None:
-    """Leave out the warnings starting with ``message`` that this Trainer's next ``_TrainingEpochLoop.reset``
-    (Lightning 2.6.6: where it warns that a mid-epoch resume re-reads a non-resumable loader) gives."""
+def hook_first_epoch_reset(trainer: pl.Trainer, before: Callable[[], str | None]) -> None:
+    """Call ``before()`` once, in this Trainer's next fit, where its first training epoch starts (Lightning 2.6.6:
+    ``_TrainingEpochLoop.reset``, after the checkpoint's loop progress was restored and the samplers' epoch set,
+    before the first batch is fetched). The warnings of that reset starting with the message ``before`` returns are
+    left out. Only this Trainer instance changes; hooking it again replaces ``before``."""
     import re
     import warnings
 
     loop = trainer.fit_loop.epoch_loop
+    first = getattr(loop, "_lgds_before_reset", None) is None
+    loop._lgds_before_reset = before  # type: ignore[attr-defined]
+    if not first:
+        return
     original = loop.reset
 
     def reset() -> None:
-        loop.reset = original  # type: ignore[method-assign]
+        pending, loop._lgds_before_reset = loop._lgds_before_reset, False  # type: ignore[attr-defined]
+        silenced = pending() if pending else None
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=re.escape(message))
+            if silenced:
+                warnings.filterwarnings("ignore", message=re.escape(silenced))
             original()
 
     loop.reset = reset  # type: ignore[method-assign]
+
+
+def train_loaders_built(trainer: pl.Trainer) -> list[Any]:
+    """The train loaders of this fit as Lightning 2.6.6 prepared them (``FitLoop._combined_loader.flattened``:
+    with its ``DistributedSampler``); empty before ``setup_data``."""
+    combined = trainer.fit_loop._combined_loader
+    return list(combined.flattened) if combined is not None else []
+
+
+def restart_train_iterator(trainer: pl.Trainer) -> None:
+    """Make the train loaders' iterator again (``iter(FitLoop._data_fetcher)``, as Lightning does for a new epoch):
+    ``FitLoop.setup_data`` made it before the checkpoint was restored (DeepSpeed's batch-size probe runs it at
+    setup), so a change to the loaders' samplers after that needs a new one."""
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is not None:
+        iter(fetcher)

@@ -24,7 +24,12 @@ from lightning_gaudi_ds.errors import ConfigError
 from tests.test_checkpoint import flat, run_plan, steps
 
 E = 8  # optimizer steps in the one epoch; checkpoints every 4, the cut run stops at 6
-VARIANTS = {"plain": {}, "shuffle": {"shuffle": True}, "accumulate": {"accumulate": 2}}
+VARIANTS = {  # Lightning's DistributedSampler(shuffle=True), the user's own sampler (wrapped by Lightning), the user's
+    "plain": {}, "own": {"sampler": "reversed"}, "unshuffled": {"sampler": "unshuffled"},  # DistributedSampler
+    "accumulate": {"accumulate": 2},  # (shuffle=False), and accumulate_grad_batches=2
+}
+SAMPLERS = {"plain": "DistributedSampler", "own": "DistributedSamplerWrapper", "unshuffled": "DistributedSampler",
+            "accumulate": "DistributedSampler"}
 
 
 # --------------------------------------------------------------------------------------------------- unit
@@ -109,6 +114,7 @@ def _same_as_uninterrupted(full: dict[str, Any], resumed: dict[str, Any]) -> Non
 def test_a_last_resume_mid_epoch_equals_the_uninterrupted_run(job: dict[str, Any], variant: str) -> None:
     fits = job["fits"]
     for full, resumed in zip(fits[f"{variant}-full"], fits[f"{variant}-last"], strict=True):
+        assert full["sampler"] == SAMPLERS[variant] and full["shuffled"] == (variant != "unshuffled")
         _same_as_uninterrupted(full, resumed)
 
 

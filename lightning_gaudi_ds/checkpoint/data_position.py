@@ -118,14 +118,15 @@ def consumed_batches(trainer: Any) -> int:
     return int(fit_loop.epoch_loop.batch_progress.current.processed)
 
 
-def apply(trainer: Any, loaders: list[Any]) -> bool:
+def apply(trainer: Any, loaders: list[Any]) -> tuple[int, bool]:
     """Skip, in each train loader of a fit resumed mid-epoch, the batches its checkpoint consumed; warn (rank 0,
-    once per loader) where that cannot be done. True when every loader resumes exactly (or none needed to)."""
+    once per loader) where that cannot be done. Returns how many loaders skip, and whether every one resumes
+    exactly (or none needed to)."""
     from lightning.fabric.utilities.types import _Stateful
     from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
     batches = consumed_batches(trainer)
-    exact = True
+    skipping, exact = 0, True
     for index, loader in enumerate(loaders):
         if batches == 0 or isinstance(loader, _Stateful):
             continue  # nothing to skip, or Lightning restores the loader's own state
@@ -136,6 +137,7 @@ def apply(trainer: Any, loaders: list[Any]) -> bool:
         name = f"train loader {index} ({type(loader).__name__})"
         if reason is None:
             skip_batches(loader, batches)
+            skipping += 1
             rank_zero_info(f"Resuming mid-epoch: {name} skips the {batches} batches of epoch"
                            f" {trainer.current_epoch} that the checkpoint consumed (by sampler indices, no data read).")
         else:
@@ -143,7 +145,7 @@ def apply(trainer: Any, loaders: list[Any]) -> bool:
             rank_zero_warn(f"Resuming mid-epoch, after batch {batches} of epoch {trainer.current_epoch}: the position"
                            f" of {name} cannot be restored, so it re-reads the epoch from its start, as Lightning does:"
                            f" {reason}. (HPUDeepSpeedStrategy(resume_data_position=False) silences this.)")
-    return exact
+    return skipping, exact
 
 
 def _length(loader: Any) -> int | None:
@@ -154,16 +156,18 @@ def _length(loader: Any) -> int | None:
 
 
 def hook(trainer: Any) -> None:
-    """For this fit of ``trainer``: once Lightning has built the train loaders and loaded the stateful ones' state
-    (``_compat.hook_train_loaders``), apply the skip; where it made every loader exact, Lightning's warning that the
-    loader is not resumable is not given."""
+    """For this fit of ``trainer``: where its first epoch starts (the checkpoint restored), apply the skip and make
+    the train iterator again; where that made every loader exact, Lightning's warning that the loader is not
+    resumable is not given."""
     from lightning_gaudi_ds import _compat
 
-    def ready(built: list[Any]) -> None:
-        if apply(trainer, built):
-            _compat.silence_next_epoch_reset(trainer, LIGHTNING_NOT_RESUMABLE)
+    def before_first_epoch() -> str | None:
+        skipping, exact = apply(trainer, _compat.train_loaders_built(trainer))
+        if skipping:
+            _compat.restart_train_iterator(trainer)
+        return LIGHTNING_NOT_RESUMABLE if skipping and exact else None
 
-    _compat.hook_train_loaders(trainer, ready)
+    _compat.hook_first_epoch_reset(trainer, before_first_epoch)
 
 
 __all__ = ["SkipBatchSampler", "SkipSampler", "apply", "consumed_batches", "hook", "skip_batches", "unrestorable"]
