@@ -83,6 +83,13 @@ def test_resume_data_position_must_be_a_bool() -> None:
     assert HPUDeepSpeedStrategy().resume_data_position is True
 
 
+def test_the_skip_benchmark_skips_half_an_epoch_by_index() -> None:
+    from benchmarks.data_skip import measure
+
+    figures = measure(samples=100_000, batch=32, ranks=2)
+    assert figures["skipped_batches"] == 781 and figures["first_batch_after_skip_s"] < 5
+
+
 # ------------------------------------------------------------------------------------------------ real job
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
@@ -131,3 +138,4 @@ def test_an_iterable_dataset_is_named_once_and_the_fit_goes_on(job: dict[str, An
     assert [r["global_step"] for r in job["fits"]["iterable-last"]] == [E, E]
     warned = [line for line in job["output"].splitlines() if "cannot be restored" in line]
     assert len(warned) == 1 and "train loader 0 (DataLoader)" in warned[0] and "StatefulDataLoader" in warned[0]
+
