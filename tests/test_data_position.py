@@ -5,11 +5,13 @@ The unit tests take the skipping samplers apart. The process test is one real 2-
 gloo): per loader kind a single-epoch run of 8 steps saving every 4, the same cut at step 6, and a
 ``ckpt_path="last"`` resume of the cut run that must equal the uninterrupted run step by step; the same with the
 option off (Lightning's behaviour: the epoch is re-read from its start, so the steps differ), and an IterableDataset,
-whose position cannot be restored (one warning).
+whose position cannot be restored (one warning). Another runs tests/jobs/restart_job.py under ``spawn --max_restarts
+1`` with a rank SIGKILLed mid-epoch.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -139,3 +141,22 @@ def test_an_iterable_dataset_is_named_once_and_the_fit_goes_on(job: dict[str, An
     warned = [line for line in job["output"].splitlines() if "cannot be restored" in line]
     assert len(warned) == 1 and "train loader 0 (DataLoader)" in warned[0] and "StatefulDataLoader" in warned[0]
 
+
+
+@pytest.mark.multiprocess
+def test_a_rank_killed_mid_epoch_restarts_where_the_checkpoint_was(tmp_path: Path) -> None:
+    """``spawn --max_restarts 1``: rank 1 SIGKILLed at step 6 of a 16-step epoch saving every 4; the restart resumes
+    from "last" (step 4), skips the epoch's first 4 batches, and ends with the uninterrupted run's fp32 weights."""
+    from tests.test_restart import spawn_job
+
+    job = ("--data", "--steps", "16", "--every", "4")
+    killed, reference = tmp_path / "killed", tmp_path / "reference"
+    spawn_job(killed, ("--max_restarts", "1"), (*job, "--kill", "0:6:1:KILL")).check()
+    spawn_job(reference, (), job).check()
+    attempts = [json.loads((killed / f"attempt{a}-rank0.json").read_text()) for a in range(2)]
+    assert attempts[0]["steps"][-1] == 6 and attempts[1]["steps"] == list(range(4, 16))
+    ran = json.loads((reference / "attempt0-rank0.json").read_text())["batches"]
+    assert attempts[1]["batches"] == pytest.approx(ran[4:], rel=1e-9)  # the batches after the checkpoint's
+    expected, got = torch.load(reference / "weights.pt"), torch.load(killed / "weights.pt")
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
