@@ -143,20 +143,32 @@ def test_an_iterable_dataset_is_named_once_and_the_fit_goes_on(job: dict[str, An
 
 
 
-@pytest.mark.multiprocess
-def test_a_rank_killed_mid_epoch_restarts_where_the_checkpoint_was(tmp_path: Path) -> None:
-    """``spawn --max_restarts 1``: rank 1 SIGKILLed at step 6 of a 16-step epoch saving every 4; the restart resumes
-    from "last" (step 4), skips the epoch's first 4 batches, and ends with the uninterrupted run's fp32 weights."""
+RESTART_JOB = ("--data", "--steps", "16", "--every", "4")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.test_restart import spawn_job
 
-    job = ("--data", "--steps", "16", "--every", "4")
-    killed, reference = tmp_path / "killed", tmp_path / "reference"
-    spawn_job(killed, ("--max_restarts", "1"), (*job, "--kill", "0:6:1:KILL")).check()
-    spawn_job(reference, (), job).check()
-    attempts = [json.loads((killed / f"attempt{a}-rank0.json").read_text()) for a in range(2)]
-    assert attempts[0]["steps"][-1] == 6 and attempts[1]["steps"] == list(range(4, 16))
-    ran = json.loads((reference / "attempt0-rank0.json").read_text())["batches"]
-    assert attempts[1]["batches"] == pytest.approx(ran[4:], rel=1e-9)  # the batches after the checkpoint's
-    expected, got = torch.load(reference / "weights.pt"), torch.load(killed / "weights.pt")
+    out = tmp_path_factory.mktemp("uninterrupted")
+    spawn_job(out, (), RESTART_JOB).check()
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("kill", "resumed_at"), [("0:6:1:KILL", 4), ("0:6:all:TERM", 7)], ids=["sigkill", "sigterm"])
+def test_a_restart_mid_epoch_ends_with_the_uninterrupted_weights(uninterrupted: Path, tmp_path: Path, kill: str,
+                                                                 resumed_at: int) -> None:
+    """``spawn --max_restarts 1``, one 16-step epoch saving every 4: rank 1 SIGKILLed at step 6 (the restart resumes
+    from "last", step 4), or every rank SIGTERMed there (preempted: saved after step 6, at 7). The restart skips the
+    epoch's batches the checkpoint consumed and ends with the uninterrupted run's fp32 weights."""
+    from tests.test_restart import spawn_job
+
+    spawn_job(tmp_path, ("--max_restarts", "1"), (*RESTART_JOB, "--kill", kill)).check()
+    attempts = [json.loads((tmp_path / f"attempt{a}-rank0.json").read_text()) for a in range(2)]
+    assert attempts[0]["steps"][-1] == 6 and attempts[1]["steps"] == list(range(resumed_at, 16))
+    ran = json.loads((uninterrupted / "attempt0-rank0.json").read_text())["batches"]
+    assert attempts[1]["batches"] == pytest.approx(ran[resumed_at:], rel=1e-9)  # the batches after the checkpoint's
+    expected, got = torch.load(uninterrupted / "weights.pt"), torch.load(tmp_path / "weights.pt")
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
