@@ -127,13 +127,16 @@ def apply(trainer: Any, loaders: list[Any]) -> tuple[int, bool]:
 
     batches = consumed_batches(trainer)
     skipping, exact = 0, True
+    if batches == 0 or batches >= trainer.num_training_batches:
+        return skipping, exact  # not resuming, or the checkpoint ended the epoch: the next one starts whole
     for index, loader in enumerate(loaders):
-        if batches == 0 or isinstance(loader, _Stateful):
-            continue  # nothing to skip, or Lightning restores the loader's own state
+        if isinstance(loader, _Stateful):
+            continue  # Lightning restores the loader's own state
         length = _length(loader)
-        if length is not None and batches >= length:
-            continue  # the checkpoint ended the epoch: the next one starts whole
         reason = unrestorable(loader)
+        if reason is None and length is not None and batches >= length:
+            reason = (f"it has {length} batches, fewer than the {batches} consumed, and the CombinedLoader cycles it;"
+                      " give it state_dict()/load_state_dict() to resume it exactly")
         name = f"train loader {index} ({type(loader).__name__})"
         if reason is None:
             skip_batches(loader, batches)
