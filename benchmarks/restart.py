@@ -4,6 +4,7 @@ step after the restart, and the final fp32 weights of an interrupted-and-restart
     python benchmarks/restart.py                  # K = 1, 2, 4; results in benchmarks/results/restart.{jsonl,md}
     python benchmarks/restart.py --every 2 --tag restart_tiny --tiny   # one interval, few steps
     python benchmarks/restart.py --two_hosts --every 2   # one rank on each of the multi-node tier's two hosts
+    python benchmarks/restart.py --mid_epoch --tag restart_mid_epoch   # train on the data: every resume mid-epoch
 
 Every job is tests/jobs/restart_job.py (2 ranks on gloo, ZeRO-2, fp32, ``ModelCheckpoint(every_n_train_steps=K,
 save_last=True)``) under ``lightning-gaudi-ds spawn --world_size 2 --max_restarts 1`` (torchrun), on this host;
@@ -22,6 +23,10 @@ own records (``attempt<A>-rank<R>.json``):
 
 :func:`measure` reads one interrupted run's directory; tests/test_restart.py applies it to its own restart job (the
 tiny mode here costs ~3 job start-ups, over the test budget).
+
+``--mid_epoch``: the job trains on its loader's batches, all ``--steps`` of them in one epoch (``restart_job.py
+--data``), so every restart resumes mid-epoch and its weights equal the reference's only if it goes on with the
+batch after the checkpoint's (lightning_gaudi_ds/checkpoint/data_position.py).
 """
 
 from __future__ import annotations
@@ -82,9 +87,10 @@ def measure(out: Path, reference: Path | None = None) -> dict[str, Any]:
     return figures
 
 
-def run_job(out: Path, steps: int, every: int, kill: str | None, timeout: float, cluster: Any = None) -> None:
+def run_job(out: Path, steps: int, every: int, kill: str | None, timeout: float, cluster: Any = None,
+            data: bool = False) -> None:
     job = [str(JOB), "--out", str(out), "--steps", str(steps), "--every", str(every),
-           *(["--kill", kill] if kill else [])]
+           *(["--kill", kill] if kill else []), *(["--data"] if data else [])]
     restarts = ["--max_restarts", "1"] if kill else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     if cluster is None:
@@ -131,7 +137,9 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
          "Two hosts (the multi-node tier's n0 and n1), one rank each (`--hostfile --use_deepspeed`, pdsh, ") +
         "gloo, ZeRO-2, fp32), `lightning-gaudi-ds spawn --max_restarts 1`; rank 1 "
         "SIGKILLed inside step F; `ModelCheckpoint(every_n_train_steps=K, save_last=True)`. The reference is the "
-        "same job uninterrupted, run first in the same invocation. Steps lost = completed steps thrown away "
+        "same job uninterrupted, run first in the same invocation. "
+        + ("Mid-epoch: the job trains on its loader's batches, every step in one epoch, so each restart resumes "
+           "mid-epoch. " if meta.get("mid_epoch") else "") + "Steps lost = completed steps thrown away "
         "(F - resumed step; at most K - 1, (K - 1)/2 on average for a failure at a random step); the step in "
         "progress is run again as well.",
         "",
@@ -153,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int_at_least(2), default=10)
     parser.add_argument("--two_hosts", action="store_true", help="one rank on each of the multi-node tier's hosts")
     parser.add_argument("--tiny", action="store_true", help="6 steps, failure in step 3 (for development)")
+    parser.add_argument("--mid_epoch", action="store_true", help="train on the loader's batches, all in one epoch")
     parser.add_argument("--tag", type=file_stem, default="restart", help="output file stem under benchmarks/results/")
     parser.add_argument("--timeout", type=positive_float, default=900, help="per job, seconds")
     args = parser.parse_args(argv)
@@ -171,17 +180,18 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join(["python", "benchmarks/restart.py", *(argv if argv is not None else sys.argv[1:])]),
             "steps": args.steps}
     meta["hosts"] = 2 if args.two_hosts else 1
+    meta["mid_epoch"] = args.mid_epoch
     rows = []
     with contextlib.ExitStack() as stack:
         cluster = stack.enter_context(_two_hosts()) if args.two_hosts else None
         parent = cluster.root if cluster is not None else None  # on the hosts' shared filesystem
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lgds_restart_bench_", dir=parent)))
         # the weights do not depend on K (only on which steps ran): one reference serves every row
-        run_job(work / "reference", args.steps, args.every[0], None, args.timeout, cluster)
+        run_job(work / "reference", args.steps, args.every[0], None, args.timeout, cluster, args.mid_epoch)
         for every in args.every:
             out = work / f"every{every}"
-            run_job(out, args.steps, every, f"0:{args.fail_in}:1:KILL", args.timeout, cluster)
-            rows.append({"type": "restart", "hosts": meta["hosts"], "every": every,
+            run_job(out, args.steps, every, f"0:{args.fail_in}:1:KILL", args.timeout, cluster, args.mid_epoch)
+            rows.append({"type": "restart", "hosts": meta["hosts"], "every": every, "mid_epoch": args.mid_epoch,
                          **measure(out, work / "reference")})
             print(f"  {rows[-1]}", flush=True)
     with publish.staged(RESULTS) as stage:

@@ -815,3 +815,47 @@ def handler_before_lightning(trainer: pl.Trainer, signum: int) -> Callable[[int,
     is a Python function, as Lightning calls it from its own handler; None for the defaults."""
     handler = trainer._signal_connector._original_handlers.get(signum)
     return handler if callable(handler) else None
+
+
+
+# ------------------------------------------------------------------------- mid-epoch resume (data position)
+def hook_first_epoch_reset(trainer: pl.Trainer, before: Callable[[], str | None]) -> None:
+    """Call ``before()`` once, in this Trainer's next fit, where its first training epoch starts (Lightning 2.6.6:
+    ``_TrainingEpochLoop.reset``, after the checkpoint's loop progress was restored and the samplers' epoch set,
+    before the first batch is fetched). The warnings of that reset starting with the message ``before`` returns are
+    left out. Only this Trainer instance changes; hooking it again replaces ``before``."""
+    import re
+    import warnings
+
+    loop = trainer.fit_loop.epoch_loop
+    first = getattr(loop, "_lgds_before_reset", None) is None
+    loop._lgds_before_reset = before  # type: ignore[attr-defined]
+    if not first:
+        return
+    original = loop.reset
+
+    def reset() -> None:
+        pending, loop._lgds_before_reset = loop._lgds_before_reset, False  # type: ignore[attr-defined]
+        silenced = pending() if pending else None
+        with warnings.catch_warnings():
+            if silenced:
+                warnings.filterwarnings("ignore", message=re.escape(silenced))
+            original()
+
+    loop.reset = reset  # type: ignore[method-assign]
+
+
+def train_loaders_built(trainer: pl.Trainer) -> list[Any]:
+    """The train loaders of this fit as Lightning 2.6.6 prepared them (``FitLoop._combined_loader.flattened``:
+    with its ``DistributedSampler``); empty before ``setup_data``."""
+    combined = trainer.fit_loop._combined_loader
+    return list(combined.flattened) if combined is not None else []
+
+
+def restart_train_iterator(trainer: pl.Trainer) -> None:
+    """Make the train loaders' iterator again (``iter(FitLoop._data_fetcher)``, as Lightning does for a new epoch):
+    ``FitLoop.setup_data`` made it before the checkpoint was restored (DeepSpeed's batch-size probe runs it at
+    setup), so a change to the loaders' samplers after that needs a new one."""
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is not None:
+        iter(fetcher)

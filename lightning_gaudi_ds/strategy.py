@@ -42,6 +42,7 @@ from lightning_gaudi_ds.devices import DeviceSpec, device_spec
 from lightning_gaudi_ds.engine import checkpointing, inference, process, train
 from lightning_gaudi_ds.engine.device import reduce_on_device
 from lightning_gaudi_ds.engine.step import engine_call, third_party_deprecations_silenced
+from lightning_gaudi_ds.errors import ConfigError
 from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV
 
 if TYPE_CHECKING:
@@ -83,6 +84,10 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
             the module runs: mixture-of-experts blocks, whose experts run on some ranks only (DeepSpeed's
             ``set_z3_leaf_modules``). A class the model lacks is a ``ConfigError`` naming close ones; ignored at
             stages 0-2, with one warning.
+        resume_data_position: a fit resumed from a checkpoint saved mid-epoch goes on with the batch after the last
+            one it consumed, the train loader skipping the epoch's first batches by sampler index (default);
+            ``False``: Lightning's behaviour, a plain DataLoader re-reads the epoch from its start. See
+            :mod:`lightning_gaudi_ds.checkpoint.data_position`.
         **kwargs: every other argument of :class:`lightning.pytorch.strategies.DeepSpeedStrategy`.
     """
 
@@ -112,8 +117,12 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         replace_method: str | None = None,
         enable_cuda_graph: bool | None = None,
         zero3_leaf_modules: Sequence[type[Module] | str] | None = None,
+        resume_data_position: bool = True,
         **kwargs: Any,
     ) -> None:
+        if not isinstance(resume_data_position, bool):
+            raise ConfigError(f"resume_data_position={resume_data_position!r}: pass True (a mid-epoch resume goes on"
+                              " with the next batch) or False (it re-reads the epoch from its start, as Lightning).")
         arguments = dict(
             stage=stage, accelerator=accelerator, config=config, offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters, remote_device=remote_device, nvme_path=nvme_path,
@@ -143,6 +152,7 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         )
         self._inference_dtype: torch.dtype | None = None
         self._preemption = resume.PreemptionWatch()
+        self.resume_data_position = resume_data_position
 
     @property
     def device_spec(self) -> DeviceSpec:

@@ -66,13 +66,18 @@ def newest_complete(candidates: Iterable[str]) -> tuple[str | None, list[str]]:
 def hook_trainer(strategy: Any, trainer: Any) -> None:
     """In the strategy's ``connect``: ``Trainer._run`` connects before it restores from the path it made of
     ``ckpt_path``, the moment to have ``trainer`` resolve "last" (and a restart's default) with
-    :func:`resolve_ckpt_path`. Only a Trainer whose strategy is ``strategy``."""
+    :func:`resolve_ckpt_path`, and (``resume_data_position``) to skip the batches a mid-epoch checkpoint consumed
+    (:mod:`~lightning_gaudi_ds.checkpoint.data_position`). Only a Trainer whose strategy is ``strategy``."""
     import functools
 
     from lightning_gaudi_ds._compat import hook_resume_path
 
     if trainer is not None and trainer.strategy is strategy:
         hook_resume_path(trainer, functools.partial(resolve_ckpt_path, trainer))
+        if getattr(strategy, "resume_data_position", False):
+            from lightning_gaudi_ds.checkpoint import data_position
+
+            data_position.hook(trainer)
 
 
 def resolve_ckpt_path(trainer: Any, checkpoint_path: Any) -> Any:

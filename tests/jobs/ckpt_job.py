@@ -10,6 +10,12 @@ same global batch on any number of ranks, so runs on 1 and 2 ranks see the same 
 ``load_weights_only`` is passed as ``weights_only=`` to that fit, validate or predict. ``expect_error: true`` records
 the exception (type and message) instead of raising it, and the job goes on with the next entry.
 
+``sampler``: the train loader's, ``null`` (Lightning gives its ``DistributedSampler(shuffle=True)``), ``"reversed"``
+(the user's own sampler, which Lightning wraps in its ``DistributedSamplerWrapper``) or ``"unshuffled"`` (the user's
+``DistributedSampler(shuffle=False)``, kept by Lightning); ``accumulate: N`` is ``accumulate_grad_batches`` (an epoch
+is still ``epoch_steps`` optimizer steps),
+``resume_data_position`` is the strategy's, and ``iterable: true`` feeds the data as an ``IterableDataset``.
+
 ``kill_at_save: N`` SIGKILLs rank ``kill_rank`` during its N-th checkpoint save of that fit, after the
 model-state file and before its ZeRO optimizer shard is written: a deterministic half-written checkpoint.
 
@@ -127,7 +133,42 @@ DEFAULTS: dict[str, Any] = {
     "validate": False,  # trainer.validate(ckpt_path=...) instead of fit
     "predict": False,  # trainer.predict(ckpt_path=...) with tensor-parallel serving instead of fit
     "load_weights_only": None, "expect_error": False,
+    "sampler": None, "accumulate": 1, "resume_data_position": True, "iterable": False,
 }
+
+
+class Iterable(torch.utils.data.IterableDataset):
+    """A dataset's samples in order, as an IterableDataset (no state: its position cannot be restored)."""
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def __iter__(self) -> Any:
+        import torch.distributed as dist
+
+        rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        return (self.data[i] for i in range(rank, len(self.data), ranks))
+
+
+class Reversed(torch.utils.data.Sampler):
+    """A deterministic sampler of the user's own: the dataset backwards."""
+
+    def __init__(self, data: Any) -> None:
+        self.size = len(data)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Any:
+        return iter(range(self.size - 1, -1, -1))
+
+
+def make_sampler(kind: str | None, data: Any) -> Any:
+    if kind == "unshuffled":
+        from torch.utils.data.distributed import DistributedSampler
+
+        return DistributedSampler(data, shuffle=False)
+    return Reversed(data) if kind == "reversed" else None
 
 
 def fit(spec: dict[str, Any], devices: int, pg_timeout: float, num_nodes: int = 1) -> dict[str, Any]:
@@ -141,7 +182,7 @@ def fit(spec: dict[str, Any], devices: int, pg_timeout: float, num_nodes: int = 
                     "message": str(err)}
     L.seed_everything(42, workers=True)
     model = CkptModel()
-    data = make_data(n=spec["epoch_steps"] * BATCH * 2)  # `epoch_steps` steps of the same global batch
+    data = make_data(n=spec["epoch_steps"] * spec["accumulate"] * BATCH * 2)  # `epoch_steps` steps of one global batch
     ckpt_dir = Path(spec["dir"])
     checkpoint = ModelCheckpoint(
         dirpath=ckpt_dir, filename="{epoch}-{step}", every_n_train_steps=spec["every"], save_last=spec["save_last"],
@@ -149,11 +190,13 @@ def fit(spec: dict[str, Any], devices: int, pg_timeout: float, num_nodes: int = 
         save_weights_only=spec["weights_only"],
     )
     recorder = Recorder(spec["kill_at_save"], spec["kill_rank"])
-    serving = {"tensor_parallel": {"tp_size": devices}} if spec["predict"] else {"stage": spec["stage"]}
+    serving = {"tensor_parallel": {"tp_size": devices}} if spec["predict"] else {
+        "stage": spec["stage"], "resume_data_position": spec["resume_data_position"]}
     strategy = HPUDeepSpeedStrategy(**serving, timeout=timedelta(seconds=pg_timeout))
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, precision=spec["precision"],
-        max_steps=spec["max_steps"], limit_val_batches=2 if spec["validate"] else 0, num_sanity_val_steps=0,
+        max_steps=spec["max_steps"], accumulate_grad_batches=spec["accumulate"],
+        limit_val_batches=2 if spec["validate"] else 0, num_sanity_val_steps=0,
         logger=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoint, recorder],
     )
@@ -167,10 +210,16 @@ def fit(spec: dict[str, Any], devices: int, pg_timeout: float, num_nodes: int = 
         loader = DataLoader(data, batch_size=per_rank_batch)
         metrics = trainer.validate(model, loader, verbose=False, **load)[0]
         return {"val_loss": metrics["val_loss"], **recorder.info, "seconds": time.monotonic() - started}
-    trainer.fit(model, DataLoader(data, batch_size=per_rank_batch, shuffle=False), **load)
+    if spec["iterable"]:
+        train: Any = DataLoader(Iterable(data), batch_size=per_rank_batch)
+    else:
+        train = DataLoader(data, batch_size=per_rank_batch, sampler=make_sampler(spec["sampler"], data))
+    trainer.fit(model, train, **load)
     return {
         "records": {str(k): v for k, v in sorted(model.records.items())},
         "global_step": trainer.global_step, "epoch": trainer.current_epoch, **recorder.info,
+        "shuffled": bool(getattr(getattr(trainer.train_dataloader, "sampler", None), "shuffle", False)),
+        "sampler": type(getattr(trainer.train_dataloader, "sampler", None)).__name__,
         "last_model_path": checkpoint.last_model_path, "best_model_path": checkpoint.best_model_path,
         "best_k_models": sorted(checkpoint.best_k_models),
         "ckpt_dir_listing": sorted(os.listdir(ckpt_dir)) if ckpt_dir.exists() else [],

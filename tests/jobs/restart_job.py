@@ -9,6 +9,8 @@ checkpoint saved mid-epoch (its warning says so; a resumable loader, with ``stat
 ``--kill "attempt:step:rank:signal"`` (repeatable): on that start of the job (0: the first), when ``global_step``
 is ``step`` in ``training_step``, that rank (``all``: every rank) sends itself the signal (``KILL``, ``TERM``, or
 ``STOP``: it freezes, for a test to take its host down).
+``--data``: train on the loader's batches instead, ``steps`` batches of distinct samples per rank in one epoch: the
+final weights then depend on where a resumed epoch reads its data (the strategy's mid-epoch skip).
 ``--every K``: a checkpoint every K steps (default 2); ``--num_nodes 2``: one rank on each of two hosts (a restart
 that ``--min_nodes`` moved to one host runs there with one rank: the strategy takes the runner's node count).
 
@@ -39,9 +41,10 @@ ATTEMPT = int(os.environ.get("LIGHTNING_GAUDI_DS_RESTART", "0"))
 
 
 class StepModel(RegressionModel):
-    def __init__(self, kills: list[str], out: str) -> None:  # plain types: they go into the checkpoint's hparams
+    def __init__(self, kills: list[str], out: str, data: bool = False) -> None:  # plain types: they go into hparams
         super().__init__(width=32, optimizer="adamw_exp", lr=0.01)
         self.kills, self.out, self.seen, self.lrs, self.losses = kills, Path(out), [], [], []
+        self.data = data
         self.sums: list[float] = []
         self.batches: list[float] = []
         self.times: list[float] = []
@@ -55,7 +58,7 @@ class StepModel(RegressionModel):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         step = self.trainer.global_step
-        loss = self._loss(self.fixed)  # not the loader's batch: a mid-epoch resume re-reads the epoch (see above)
+        loss = self._loss(batch if self.data else self.fixed)  # see the module's docstring
         self.seen.append(step)
         self.times.append(time.time())
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
@@ -101,6 +104,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--kill", action="append", default=[])
     parser.add_argument("--every", type=int, default=2, help="ModelCheckpoint(every_n_train_steps=...)")
+    parser.add_argument("--data", action="store_true", help="train on the loader's batches: one epoch, distinct")
     parser.add_argument("--num_nodes", type=int, default=1, help="2: one rank on each of two hosts")
     args = parser.parse_args()
     start_process()
@@ -109,7 +113,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)
     data = TensorDataset(x.repeat(4, 1), y.repeat(4, 1))  # 2 ranks x 8: 2 steps per epoch, every batch the same
-    model = StepModel(args.kill, str(out))
+    if args.data:  # one epoch of `steps` steps, every batch its own samples
+        n = 16 * args.steps
+        data = TensorDataset(torch.randn(n, 32, generator=g), torch.randn(n, 4, generator=g))
+    model = StepModel(args.kill, str(out), args.data)
     trainer = L.Trainer(
         accelerator="cpu", devices=2 // args.num_nodes, num_nodes=args.num_nodes,
         strategy=HPUDeepSpeedStrategy(stage=2), max_steps=args.steps, logger=False, enable_progress_bar=False,
