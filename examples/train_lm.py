@@ -467,13 +467,24 @@ class _NoTips(logging.Filter):
         return not str(record.msg).startswith("💡 Tip")
 
 
+class _NoCpuNotice(logging.Filter):
+    """DeepSpeed's "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+    on import: on a machine without one, what this run does anyway (the run's summary names the accelerator)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Setting accelerator to CPU")
+
+
 def main(args: Optional[list[str]] = None) -> None:
     warnings.filterwarnings("ignore", message=".*`tensorboardX` has been removed as a dependency.*")
     rank_zero.log.addFilter(_NoTips())  # the logger of Lightning's rank_zero_info
+    logging.getLogger("DeepSpeed").addFilter(_NoCpuNotice())  # DeepSpeed's logger, which its import configures
     with warnings.catch_warnings():  # for this run only
         # Lightning 2.6's CombinedLoader builds torch's deprecated LeafSpec at every fit/validate: nothing to act on
         warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                                 category=FutureWarning)
+        # Lightning's model summary sizes bf16 weights as fp32 and says so: the parameter counts are right
+        warnings.filterwarnings("ignore", message=r"Precision bf16-mixed is not supported by the model summary")
         LMCLI(LitGPT, TextDataModule, seed_everything_default=42, args=args)
 
 
