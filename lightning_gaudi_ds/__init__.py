@@ -117,11 +117,14 @@ def _register() -> None:
     for module in _REGISTERING:
         if module not in sys.modules:
             importlib.import_module(module)
+    # Registered: the hook has done its one job and leaves sys.meta_path (no later import goes through it)
+    sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "_RegisterAfterImport"]
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: calls :func:`_register` each time ``lightning`` or a module of this package has been
-    imported, so the names are registered as soon as Lightning is, and never from inside a half-imported module."""
+    imported, so the names are registered as soon as Lightning is, and never from inside a half-imported module.
+    Once they are, it removes itself from ``sys.meta_path``."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None

@@ -41,6 +41,22 @@ def test_import_needs_no_gaudi_stack_and_exports_public_api():
 
 
 @pytest.mark.multiprocess
+def test_the_import_hook_fires_once_and_removes_itself() -> None:
+    code = (
+        "import sys; hooked = lambda: [f for f in sys.meta_path if type(f).__name__ == '_RegisterAfterImport'];"
+        " import lightning_gaudi_ds; assert 'lightning' not in sys.modules and len(hooked()) == 1, hooked();"
+        " import lightning; from lightning.pytorch.strategies import StrategyRegistry;"
+        " assert 'hpu_deepspeed_stage_2' in StrategyRegistry and not hooked(), hooked();"
+        " import lightning_gaudi_ds.planning, lightning_gaudi_ds; assert not hooked()"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    already = ("import lightning, lightning_gaudi_ds, sys;"
+               " assert not [f for f in sys.meta_path if type(f).__name__ == '_RegisterAfterImport']")
+    subprocess.run([sys.executable, "-c", already], check=True, timeout=120)  # Lightning first: never installed
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("first", ["lightning_gaudi_ds.config", "lightning_gaudi_ds.checkpoint",
                                    "lightning_gaudi_ds._compat", "lightning_gaudi_ds.engine.train"])
 def test_submodule_imported_before_lightning_registers_the_names(first: str) -> None:
