@@ -48,12 +48,12 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
 
     The arguments are those of the Trainer's :class:`lightning_gaudi_ds.HPUDeepSpeedStrategy`, documented there
     (one signature for both, checked with the same errors), less its inference-engine ones (``tensor_parallel``,
-    ``dtype``, ``replace_with_kernel_inject``, ``injection_policy``, ``replace_method``, ``enable_cuda_graph``),
-    which are refused: ``stage`` (0-3 or ``"auto"``: chosen when ``fabric.setup`` sees the model),
-    ``device_memory``, ``measure_activations``, ``config`` (path or dict, ``PL_DEEPSPEED_CONFIG_PATH`` when unset;
-    its ``"auto"`` values are filled from Fabric's precision, world size and the model), offload, ``hpu_mode``,
-    ``torch_compile``, ``number_checkpoints``, ``zero3_leaf_modules``, and every other argument of
-    :class:`lightning.fabric.strategies.DeepSpeedStrategy` by keyword.
+    ``dtype``, ``replace_with_kernel_inject``, ``injection_policy``, ``replace_method``, ``enable_cuda_graph``)
+    and the fit loop's ``resume_data_position``, which are refused: ``stage`` (0-3 or ``"auto"``: chosen when
+    ``fabric.setup`` sees the model), ``device_memory``, ``measure_activations``, ``config`` (path or dict,
+    ``PL_DEEPSPEED_CONFIG_PATH`` when unset; its ``"auto"`` values are filled from Fabric's precision, world size
+    and the model), offload, ``hpu_mode``, ``torch_compile``, ``number_checkpoints``, ``zero3_leaf_modules``, and
+    every other argument of :class:`lightning.fabric.strategies.DeepSpeedStrategy` by keyword.
     """
 
     @process.arguments_of(TrainerStrategy)
@@ -67,6 +67,11 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
             raise ConfigError(
                 f"HPUDeepSpeedStrategy for Fabric has no inference engine: {', '.join(inference)} configure"
                 " the Trainer strategy's trainer.predict/validate/test; remove them (Fabric runs the model as trained)."
+            )
+        if arguments.pop("resume_data_position") is not True:
+            raise ConfigError(
+                "resume_data_position=False: Fabric has no fit loop whose data position the strategy restores (your"
+                " loop reads its loader; keep the step in the state you fabric.save and skip to it). Remove it."
             )
         own = {name: arguments.pop(name) for name in _PACKAGE_ONLY}
         leaf_modules = own.pop("zero3_leaf_modules")

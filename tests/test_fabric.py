@@ -110,6 +110,8 @@ def test_one_signature_for_both_strategies_less_the_inference_engine() -> None:
     assert strategy.config["activation_checkpointing"]["number_checkpoints"] == 2
     with pytest.raises(ConfigError, match=r"no inference engine: tensor_parallel, dtype configure the Trainer"):
         HPUDeepSpeedStrategy(tensor_parallel={"tp_size": 2}, dtype="bf16")
+    with pytest.raises(ConfigError, match=r"resume_data_position=False: Fabric has no fit loop"):
+        HPUDeepSpeedStrategy(resume_data_position=False)
 
 
 def test_precision_the_device_cannot_run_is_refused_when_fabric_is_built() -> None:
