@@ -24,10 +24,14 @@ import publish
 from flags import existing_dir, positive_int
 
 
+VENV: str | None = None  # --venv: only the rows of the tier run in that environment (.venv, .venv-deepspeed-0.16.1)
+
+
 def _read(path: Path) -> list[dict]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if VENV is None or r.get("venv") == VENV]
 
 
 def _file(nodeid: str) -> str:
@@ -135,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="append the section to this markdown file (default: print it)")
     parser.add_argument("--before", type=existing_dir,
                         help="another timed run's folder: print both by file, side by side, instead")
+    parser.add_argument("--venv", help="only the tier run in this environment (.ci/run's two tiers share a folder)")
     args = parser.parse_args(argv)
+    global VENV
+    VENV = args.venv
     text = compare(args.before, args.folder, args.title) if args.before else tabulate(args.folder, args.title, args.top)
     if args.out:
         publish.append_text(args.out, text + "\n")

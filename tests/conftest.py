@@ -1,6 +1,7 @@
 """Session-wide test settings."""
 
 import os
+import sys
 from collections.abc import Iterator
 
 # With mpi4py installed, Lightning's MPIEnvironment.detect() initialises MPI in the test process itself; an
@@ -99,4 +100,4 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "tests.jsonl"), "a") as f:
         f.write(json.dumps({"test": report.nodeid, "phase": report.when, "seconds": round(report.duration, 3),
-                            "outcome": report.outcome}) + "\n")
+                            "outcome": report.outcome, "venv": os.path.basename(sys.prefix)}) + "\n")

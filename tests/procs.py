@@ -154,7 +154,7 @@ def _record_job(args: Sequence[str], env: Mapping[str, str], start_wall: float, 
     except (OSError, ValueError):
         pass
     record = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0], "seconds": round(seconds, 2),
-              "startup": None if first is None else round(first, 2), "warm": warm,
+              "startup": None if first is None else round(first, 2), "warm": warm, "venv": Path(sys.prefix).name,
               "job": " ".join(Path(a).name if i < 2 else a for i, a in enumerate(args[:4]))}
     with open(Path(folder) / "jobs.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
