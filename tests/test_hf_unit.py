@@ -255,10 +255,16 @@ def test_load_full_weights_refuses_a_pickled_payload_naming_the_file_and_the_opt
         strategy.load_checkpoint(file, weights_only=True)
 
 
-def test_from_pretrained_offline_names_the_model_id_and_the_fix() -> None:
+def test_from_pretrained_offline_names_the_model_id_and_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     import contextlib
 
+    import huggingface_hub
+
     from lightning_gaudi_ds.engine import process
+
+    # HF_HUB_OFFLINE=1 as read at import: transformers' adapter lookup ignores local_files_only, and without it asks
+    # the hub five times with back-off (23 s) on a machine that cannot reach it
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
     with pytest.raises(OSError, match=r"from_pretrained\('no-such-org/no-such-model'\): no folder of that name, and"
                                       r" it is not in the Hugging Face cache while the hub is offline"
