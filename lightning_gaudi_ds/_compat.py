@@ -817,14 +817,12 @@ def handler_before_lightning(trainer: pl.Trainer, signum: int) -> Callable[[int,
     return handler if callable(handler) else None
 
 
-
 # ------------------------------------------------------------------------- mid-epoch resume (data position)
 def hook_first_epoch_reset(trainer: pl.Trainer, before: Callable[[], str | None]) -> None:
     """Call ``before()`` once, in this Trainer's next fit, where its first training epoch starts (Lightning 2.6.6:
     ``_TrainingEpochLoop.reset``, after the checkpoint's loop progress was restored and the samplers' epoch set,
     before the first batch is fetched). The warnings of that reset starting with the message ``before`` returns are
     left out. Only this Trainer instance changes; hooking it again replaces ``before``."""
-    import re
     import warnings
 
     loop = trainer.fit_loop.epoch_loop
