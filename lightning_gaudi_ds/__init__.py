@@ -32,34 +32,49 @@ if TYPE_CHECKING:
         export_safetensors,
     )
     from lightning_gaudi_ds.errors import (
+        ArgumentTypeError,
         BuildLockError,
         CheckpointError,
         CheckpointNotFoundError,
         ConfigError,
         ConfigNotFoundError,
+        EnvVarError,
         HostfileError,
         IncompleteCheckpointError,
+        InvalidArgumentError,
+        LaunchError,
+        LightningGaudiDSError,
         NotACheckpointError,
+        PlanError,
+        SetupError,
         UnsafeCheckpointError,
     )
     from lightning_gaudi_ds.launch import DistributedRunner
     from lightning_gaudi_ds.lightning_cli import LightningCLI
     from lightning_gaudi_ds.planning import plan_memory
-    from lightning_gaudi_ds.strategy import HPUDeepSpeedStrategy
+    from lightning_gaudi_ds.strategy import HPUDeepSpeedStrategy, TensorParallelStrategy
 
 __all__ = [
+    "ArgumentTypeError",
     "BuildLockError",
     "CheckpointError",
     "CheckpointNotFoundError",
     "ConfigError",
     "ConfigNotFoundError",
     "DistributedRunner",
+    "EnvVarError",
     "HPUAccelerator",
     "HPUDeepSpeedStrategy",
     "HostfileError",
     "IncompleteCheckpointError",
+    "InvalidArgumentError",
+    "LaunchError",
     "LightningCLI",
+    "LightningGaudiDSError",
     "NotACheckpointError",
+    "PlanError",
+    "SetupError",
+    "TensorParallelStrategy",
     "UnsafeCheckpointError",
     "__version__",
     "convert_zero_checkpoint_to_fp32_state_dict",
@@ -76,13 +91,16 @@ except PackageNotFoundError:  # a source tree on sys.path that was never install
 _EXPORTS = {
     # The package's errors, all in one module (lightning_gaudi_ds.errors).
     **dict.fromkeys((
-        "BuildLockError", "CheckpointError", "CheckpointNotFoundError", "ConfigError", "ConfigNotFoundError",
-        "HostfileError", "IncompleteCheckpointError", "NotACheckpointError", "UnsafeCheckpointError",
+        "ArgumentTypeError", "BuildLockError", "CheckpointError", "CheckpointNotFoundError", "ConfigError",
+        "ConfigNotFoundError", "EnvVarError", "HostfileError", "IncompleteCheckpointError", "InvalidArgumentError",
+        "LaunchError", "LightningGaudiDSError", "NotACheckpointError", "PlanError", "SetupError",
+        "UnsafeCheckpointError",
     ), "lightning_gaudi_ds.errors"),
     "DistributedRunner": "lightning_gaudi_ds.launch",
     "HPUAccelerator": "lightning_gaudi_ds.accelerator",
     "HPUDeepSpeedStrategy": "lightning_gaudi_ds.strategy",
     "LightningCLI": "lightning_gaudi_ds.lightning_cli",
+    "TensorParallelStrategy": "lightning_gaudi_ds.strategy",
     "convert_zero_checkpoint_to_fp32_state_dict": "lightning_gaudi_ds.checkpoint",
     "export_hf": "lightning_gaudi_ds.checkpoint",
     "export_safetensors": "lightning_gaudi_ds.checkpoint",

@@ -17,11 +17,12 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning.fabric.accelerators.registry import _AcceleratorRegistry
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR_ALIAS_CONVERSION
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.strategies.deepspeed import _format_precision_config, _validate_device_index_selection
 from lightning.fabric.utilities.load import _move_state_into
-from lightning.fabric.utilities.types import _PATH
+from lightning.fabric.utilities.types import _DEVICE, _PATH, _Stateful
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -33,6 +34,13 @@ if TYPE_CHECKING:
 __all__ = [
     "BUILD_LOCK_NAME",
     "COPIED_DEEPSPEED_STRATEGY_METHODS",
+    "COPIED_FABRIC_DEEPSPEED_STRATEGY_METHODS",
+    "OVERRIDDEN_FABRIC_DEEPSPEED_STRATEGY_HOOKS",
+    "_Stateful",
+    "launcher_of",
+    "process_group_timeout",
+    "set_num_nodes",
+    "set_process_group_timeout_of",
     "COPIED_FROM_LIGHTNING_VERSION",
     "DEEPSPEED_LAUNCHER_ENV",
     "DEEPSPEED_NODE_RANK_ENV",
@@ -40,7 +48,10 @@ __all__ = [
     "LIGHTNING_CONVERTER_DROPPED_KEYS",
     "OVERRIDDEN_DEEPSPEED_STRATEGY_HOOKS",
     "SHM_SEGMENT_PREFIX",
+    "_DEVICE",
     "_PATH",
+    "_AcceleratorRegistry",
+    "fused_kernel_devices",
     "TorchDispatchMode",
     "_MockOptimizer",
     "_StrategyRegistry",
@@ -105,8 +116,21 @@ OVERRIDDEN_DEEPSPEED_STRATEGY_HOOKS = (
     "_init_deepspeed_distributed",  # called from our setup_distributed
     "_set_deepspeed_activation_checkpointing",  # number of checkpoints for contiguous checkpointing
 )
-# Private attributes of Lightning's DeepSpeedStrategy instances the strategy reads or sets.
-DEEPSPEED_STRATEGY_ATTRIBUTES = ("_config_initialized", "_process_group_backend")
+# The same for Fabric's DeepSpeedStrategy, which Fabric's HPUDeepSpeedStrategy overrides or calls.
+OVERRIDDEN_FABRIC_DEEPSPEED_STRATEGY_HOOKS = (
+    "_configure_launcher",  # validate precision/device before any process starts
+    "_get_process_group_backend",  # the device's backend (gloo, nccl, hccl)
+    "_load_config",  # load + validate the user's config
+    "_format_config",  # fill "auto" before the model exists
+    "_initialize_engine",  # stage="auto", "auto" for the model, ZeRO-Offload's optimizer, the device rank
+    "_init_deepspeed_distributed",  # bounded rendezvous
+    "_set_deepspeed_activation_checkpointing",  # number of checkpoints for contiguous checkpointing
+    "_setup_distributed",  # device-index check where devices have one, JIT-op start-up
+    "_set_world_ranks",  # called with the process group's start
+)
+# Private attributes of Lightning's DeepSpeedStrategy instances (Trainer's and Fabric's) the strategies read or set.
+DEEPSPEED_STRATEGY_ATTRIBUTES = ("_config_initialized", "_process_group_backend", "_timeout", "_num_nodes",
+                                 "_launcher")
 
 # Methods of Lightning's DeepSpeedStrategy that HPUDeepSpeedStrategy copies with a change, and the hash of the
 # Lightning source they copy (see _source_digest). A different hash means Lightning changed the original: carry
@@ -119,6 +143,33 @@ COPIED_DEEPSPEED_STRATEGY_METHODS: dict[str, str] = {
     "_initialize_deepspeed_inference": "cb20fc28d95bf969",  # device_rank for CPU/HPU
     "_setup_model_and_optimizer": "68c0cc65d009288f",  # device_rank for CPU/HPU
 }
+# Methods of Fabric's DeepSpeedStrategy that its HPUDeepSpeedStrategy copies with a change, guarded the same way.
+COPIED_FABRIC_DEEPSPEED_STRATEGY_METHODS: dict[str, str] = {
+    "setup_environment": "d8046a5e0e133d04",  # without the CUDA-only gate
+    "_setup_distributed": "c91da5b5370d1e59",  # device-index check only where devices have one, JIT-op start-up
+    "_initialize_engine": "1715df238051a03b",  # stage="auto", "auto" filled for the model, ZeRO-Offload's optimizer
+}
+
+
+def launcher_of(strategy: object) -> Any:
+    """The launcher Lightning's (or Fabric's) strategy made in ``_configure_launcher`` (``_launcher``)."""
+    return getattr(strategy, "_launcher")  # noqa: B009  (a private attribute, read in one place)
+
+
+def set_num_nodes(strategy: object, nodes: int) -> None:
+    """The strategy's node count (``_num_nodes``, which Lightning's ``num_nodes`` setter also spreads to the
+    environment; a restart on fewer hosts sets it before the ranks are)."""
+    setattr(strategy, "_num_nodes", nodes)  # noqa: B010
+
+
+def process_group_timeout(strategy: object) -> Any:
+    """The process-group timeout the strategy was given (``_timeout``; None: torch's default)."""
+    return getattr(strategy, "_timeout")  # noqa: B009
+
+
+def set_process_group_timeout_of(strategy: object, timeout: Any) -> None:
+    """The timeout the strategy hands to ``deepspeed.init_distributed`` (``_timeout``)."""
+    setattr(strategy, "_timeout", timeout)  # noqa: B010
 
 
 def _source_digest(function: Any) -> str:
@@ -234,6 +285,16 @@ def deepspeed_reads_config_key(key: str) -> bool:
 
     source = inspect.getsource(ds_config)
     return f'"{key}"' in source or f"'{key}'" in source
+
+
+def fused_kernel_devices() -> list[str]:
+    """The device types torch's fused optimizer kernels run on (``torch.utils._foreach_utils``); empty on a torch
+    without that table, which then keeps its own choice."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:
+        return []
+    return list(_get_fused_kernels_supported_devices())
 
 
 def deepspeed_version() -> str:

@@ -6,13 +6,12 @@ from typing import Any
 
 import torch
 from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
-from lightning.fabric.accelerators.registry import _AcceleratorRegistry
-from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.fabric.utilities.types import _DEVICE
 from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry
 from typing_extensions import override
 
 from lightning_gaudi_ds import hpu
+from lightning_gaudi_ds._compat import _DEVICE, _AcceleratorRegistry
+from lightning_gaudi_ds.errors import ConfigError
 
 
 class HPUAccelerator(Accelerator):
@@ -25,7 +24,7 @@ class HPUAccelerator(Accelerator):
     @override
     def setup_device(self, device: torch.device) -> None:
         if device.type != "hpu":
-            raise MisconfigurationException(f"HPUAccelerator got device {device}; expected an 'hpu' device.")
+            raise ConfigError(f"HPUAccelerator got device {device}; expected an 'hpu' device.")
 
     @override
     def get_device_stats(self, device: _DEVICE) -> dict[str, Any]:
@@ -44,7 +43,7 @@ class HPUAccelerator(Accelerator):
             # Each rank opens the card its local rank maps to through HABANA_VISIBLE_MODULES; an index list
             # would silently run on modules 0..n-1.
             visible = ",".join(str(d) for d in devices)
-            raise MisconfigurationException(
+            raise ConfigError(
                 f"`Trainer(accelerator='hpu', devices={list(devices)!r})`: HPUs are chosen by count, not by index."
                 f" To train on Gaudi modules {visible}, start Python with HABANA_VISIBLE_MODULES={visible} and pass"
                 f" `Trainer(devices={len(devices)})`."
@@ -54,11 +53,11 @@ class HPUAccelerator(Accelerator):
         try:
             count = int(devices)
         except (TypeError, ValueError):
-            raise MisconfigurationException(
+            raise ConfigError(
                 f"`Trainer(devices={devices!r})` is not valid for HPUs; pass a positive int or 'auto'."
             ) from None
         if count < 1:
-            raise MisconfigurationException(
+            raise ConfigError(
                 f"`Trainer(devices={devices!r})`: at least one HPU is needed; pass devices >= 1."
             )
         return count

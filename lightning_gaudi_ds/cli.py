@@ -23,7 +23,7 @@ class Command(NamedTuple):
 COMMANDS: dict[str, Command] = {
     "spawn": Command("lightning_gaudi_ds.launch.runner",
                      "launch a training script on N ranks (torchrun, DeepSpeed or MPI)"),
-    "convert": Command("lightning_gaudi_ds.checkpoint.convert",
+    "convert": Command("lightning_gaudi_ds.checkpoint.command",
                        "convert a sharded ZeRO checkpoint to one fp32 file or a Hugging Face model directory"),
     "env": Command("lightning_gaudi_ds.report",
                    "print device, versions, built DeepSpeed ops and stale build locks"),

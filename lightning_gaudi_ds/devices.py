@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import find_shared_parameters, set_shared_parameters
 from torch.nn import Module
+from torch.optim import Optimizer
 
 from lightning_gaudi_ds import hpu
+from lightning_gaudi_ds._compat import fused_kernel_devices
 from lightning_gaudi_ds.errors import ConfigError
 from lightning_gaudi_ds.hpu import habana_frameworks_installed, hpu_available
 from lightning_gaudi_ds.precisions import PRECISIONS, ZERO_DEFAULT_KEYS
@@ -174,3 +176,24 @@ def move_keeping_tied_parameters(module: Module, device: torch.device) -> Module
     shared = find_shared_parameters(module)
     module = module.to(device)
     return set_shared_parameters(module, shared) if shared else module
+
+
+def fuses_adam(device_type: str | None, optimizer: Optimizer | str) -> bool:
+    """Whether the strategy steps ``optimizer`` with torch's fused kernel
+    (:func:`lightning_gaudi_ds.engine.train.fuse_on_cpu`; the planner asks too): a torch ``Adam``/``AdamW`` on the
+    CPU device that left ``fused`` and ``foreach`` to torch. A name (``"adamw"``) stands for that torch optimizer with
+    its defaults (the memory planner's assumption before ``configure_optimizers`` runs)."""
+    if device_type != "cpu":
+        return False
+    if "cpu" not in fused_kernel_devices():
+        return False
+    if isinstance(optimizer, str):
+        return optimizer.lower() in ("adam", "adamw")
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):  # a subclass may change the update rule
+        return False
+    groups = optimizer.param_groups
+    if any(g.get("fused") is not None or g.get("foreach") is not None or g.get("differentiable")
+           or g.get("capturable") for g in groups):
+        return False
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    return all(p.dtype in dtypes for g in groups for p in g["params"])

@@ -1,19 +1,32 @@
-"""The package's errors, in one place. Each is also the type Lightning (or torch) raises in the same situation, so
-that code catching Lightning's errors catches these: a setting that cannot be used is a
-``MisconfigurationException`` and a ``ValueError``, a missing checkpoint a ``FileNotFoundError`` too, a refused
-pickle an ``UnpicklingError``. Every message names the value, what is allowed and how to fix it.
+"""The package's errors, one family: every class is a :class:`LightningGaudiDSError`, and also the type Lightning
+(or torch, or Python) raises in the same situation, so code catching Lightning's errors catches these. A setting
+that cannot be used is a ``MisconfigurationException`` and a ``ValueError``; a missing checkpoint a
+``FileNotFoundError`` too; a refused pickle an ``UnpicklingError``; a bad argument of the launcher or the planner
+a ``ValueError``. Every message names the value, what is allowed and how to fix it.
 
-The classes are importable from where they were first defined as well (``lightning_gaudi_ds.config``,
-``lightning_gaudi_ds.checkpoint``, ``lightning_gaudi_ds.jit_ops``, ``lightning_gaudi_ds.launch.hostfile``).
+Standard library only, so that the launcher and the planner (which start without Lightning or torch) raise the
+family too. The classes that subclass Lightning's ``MisconfigurationException`` are defined in
+:mod:`lightning_gaudi_ds._lightning_errors` and load from here on first use (importing them imports Lightning).
 """
 
 from __future__ import annotations
 
-import pickle
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.utilities.exceptions import MisconfigurationException
+if TYPE_CHECKING:
+    from lightning_gaudi_ds._lightning_errors import (
+        CheckpointError,
+        CheckpointNotFoundError,
+        ConfigError,
+        ConfigNotFoundError,
+        IncompleteCheckpointError,
+        NotACheckpointError,
+        UnsafeCheckpointError,
+    )
 
 __all__ = [
+    "ArgumentTypeError",
     "BuildLockError",
     "CheckpointError",
     "CheckpointNotFoundError",
@@ -22,53 +35,78 @@ __all__ = [
     "EnvVarError",
     "HostfileError",
     "IncompleteCheckpointError",
+    "InvalidArgumentError",
+    "LaunchError",
+    "LightningGaudiDSError",
+    "ModelLoadError",
     "NotACheckpointError",
+    "PlanError",
+    "SetupError",
     "UnsafeCheckpointError",
 ]
 
 
-# ------------------------------------------------------------------------------------------ settings
-class ConfigError(MisconfigurationException, ValueError):
-    """A DeepSpeed config, strategy argument or Trainer setting that cannot be used as given; the message lists every
-    problem found. A ``MisconfigurationException``, as Lightning raises in the same situations, and a ``ValueError``."""
+class LightningGaudiDSError(Exception):
+    """The base of every error this package raises."""
 
 
-class ConfigNotFoundError(ConfigError, FileNotFoundError):
-    """The DeepSpeed config path does not exist (Lightning: ``MisconfigurationException``)."""
+# ------------------------------------------------------------- arguments outside the Trainer and Fabric
+class InvalidArgumentError(LightningGaudiDSError, ValueError):
+    """An argument that cannot be used as given (a ``ValueError``, as Python raises for a bad value)."""
 
 
-# ---------------------------------------------------------------------------------------- checkpoints
-class CheckpointError(MisconfigurationException, ValueError):
-    """The path is not a usable DeepSpeed ZeRO checkpoint; the message says why and what to do. A
-    ``MisconfigurationException``, as Lightning raises when DeepSpeed cannot load a checkpoint, and a ``ValueError``."""
+class ArgumentTypeError(LightningGaudiDSError, TypeError):
+    """An argument of the wrong type (a ``TypeError``, as Python raises for one)."""
 
 
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """The checkpoint path does not exist (Lightning: ``FileNotFoundError``)."""
+class LaunchError(InvalidArgumentError):
+    """An argument of ``lightning-gaudi-ds spawn`` or :class:`~lightning_gaudi_ds.DistributedRunner` that cannot be
+    used."""
 
 
-class NotACheckpointError(CheckpointError, FileNotFoundError):
-    """The path is a file, a folder inside a checkpoint or any other folder (Lightning: ``FileNotFoundError``, "not a
-    valid DeepSpeed checkpoint")."""
+class HostfileError(LaunchError):
+    """A hostfile line that DeepSpeed's and Open MPI's runners would refuse or misread."""
 
 
-class IncompleteCheckpointError(CheckpointError, FileNotFoundError):
-    """The checkpoint was not completely written (a save was interrupted); the message names what is missing. A
-    ``FileNotFoundError`` too, as DeepSpeed's loader raises for a missing shard."""
+class EnvVarError(InvalidArgumentError):
+    """A package environment variable holds a value that cannot be used; the message names the variable, the value
+    and what is allowed."""
 
 
-class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
-    """A checkpoint file holds objects that torch's safe unpickler (``weights_only=True``) refuses to build: loading it
-    could run code from the file. An ``UnpicklingError``, as ``torch.load`` raises for it."""
+class PlanError(InvalidArgumentError):
+    """An input of the memory planner (``lightning-gaudi-ds plan``, :func:`~lightning_gaudi_ds.plan_memory`) that
+    cannot be used."""
 
 
-# ------------------------------------------------------------------------------------------- op builds
-class BuildLockError(RuntimeError):
+class ModelLoadError(LightningGaudiDSError, OSError):
+    """A Hugging Face model that ``from_pretrained`` cannot load as named (an ``OSError``, as transformers raises);
+    the message names the model id or the file, and what to do."""
+
+
+# ----------------------------------------------------------------------------------- the machine
+class SetupError(LightningGaudiDSError, RuntimeError):
+    """This process or machine lacks what the request needs (the Gaudi software stack, ``mpirun``, the devices, a
+    rank that never joined): a ``RuntimeError``, as torch and Lightning raise in these situations."""
+
+
+class BuildLockError(SetupError):
     """A torch extension build lock that cannot be judged safe to wait on or to clear."""
 
 
-# The launcher's own errors are defined beside the hostfile parser, which `lightning-gaudi-ds spawn --help` imports
-# without Lightning or torch, and the environment variables, which the rank shim reads without the package (this
-# module imports Lightning for MisconfigurationException); re-exported here.
-from lightning_gaudi_ds.launch.envvars import EnvVarError  # noqa: E402
-from lightning_gaudi_ds.launch.hostfile import HostfileError  # noqa: E402
+# Defined with Lightning's MisconfigurationException as a base (lightning_gaudi_ds._lightning_errors).
+_LIGHTNING_TYPED = frozenset({
+    "CheckpointError", "CheckpointNotFoundError", "ConfigError", "ConfigNotFoundError", "IncompleteCheckpointError",
+    "NotACheckpointError", "UnsafeCheckpointError",
+})
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LIGHTNING_TYPED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module("lightning_gaudi_ds._lightning_errors"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LIGHTNING_TYPED})

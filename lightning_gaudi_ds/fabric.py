@@ -1,11 +1,11 @@
 """``HPUDeepSpeedStrategy`` for Lightning Fabric: Fabric's DeepSpeed strategy made device-neutral (HPU, CUDA, CPU).
 
-Fabric's ``DeepSpeedStrategy`` refuses every accelerator but CUDA. This subclass overrides only what depends on the
-device or on this package, and delegates as the Trainer strategy (:mod:`lightning_gaudi_ds.strategy`) does: argument
-checks and the config with ``"auto"`` filled to :class:`lightning_gaudi_ds.config.StrategyConfig`, the device and the
-process group to :mod:`lightning_gaudi_ds.engine.process` and :mod:`lightning_gaudi_ds.engine.device`. ``setup``,
-``backward``, ``no_backward_sync``, ``all_reduce``, ``barrier``, ``broadcast``, ``init_module`` (ZeRO-3's
-``zero.Init``) and ``save``/``load`` are Fabric's own.
+Fabric's ``DeepSpeedStrategy`` refuses every accelerator but CUDA. This thin adapter adds to what both strategies
+share (:class:`lightning_gaudi_ds.core.base.DeepSpeedCore`) only Fabric's own hooks: the config resolved when
+``fabric.setup`` sees the model, the optimizer given to ``fabric.setup`` (ZeRO-Offload's conversion), and
+crash-safe, validated, resharded checkpoints through ``fabric.save``/``fabric.load``. ``setup``, ``backward``,
+``no_backward_sync``, ``all_reduce``, ``barrier``, ``broadcast``, ``init_module`` (ZeRO-3's ``zero.Init``) are
+Fabric's own. It depends on nothing of the Trainer's strategy.
 
     fabric = Fabric(accelerator="cpu", devices=2, strategy="hpu_deepspeed_stage_3", precision="bf16-mixed")
 """
@@ -13,15 +13,14 @@ process group to :mod:`lightning_gaudi_ds.engine.process` and :mod:`lightning_ga
 from __future__ import annotations
 
 import functools
-import inspect
-import os
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
+from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
 from lightning.fabric.strategies.ddp import DDPStrategy
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
@@ -29,90 +28,83 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gaudi_ds import checkpoint as ckpt
+from lightning_gaudi_ds import hpu
 from lightning_gaudi_ds._compat import _PATH, _move_state_into
 from lightning_gaudi_ds.checkpoint.io import refusal_named
-from lightning_gaudi_ds.config import ConfigError, StrategyConfig, offloads_optimizer
-from lightning_gaudi_ds.devices import device_spec
-from lightning_gaudi_ds.engine import checkpointing, inference, process, train
-from lightning_gaudi_ds.engine.device import reduce_on_device
+from lightning_gaudi_ds.core.base import DeepSpeedCore
+from lightning_gaudi_ds.core.options import Options
+from lightning_gaudi_ds.engine import train
+from lightning_gaudi_ds.engine.inference import INFERENCE_KEYS
 from lightning_gaudi_ds.engine.step import engine_call
-from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV
-from lightning_gaudi_ds.strategy import HPUDeepSpeedStrategy as TrainerStrategy
+from lightning_gaudi_ds.errors import ConfigError
 
 if TYPE_CHECKING:
     import deepspeed
 
 
-class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
+class HPUDeepSpeedStrategy(DeepSpeedCore, DeepSpeedStrategy):
     """DeepSpeed ZeRO stages 0-3 (with CPU/NVMe offload) for Lightning Fabric on Intel Gaudi, CUDA GPUs and CPUs.
 
-    The arguments are those of the Trainer's :class:`lightning_gaudi_ds.HPUDeepSpeedStrategy`, documented there
-    (one signature for both, checked with the same errors), less its inference-engine ones (``tensor_parallel``,
-    ``dtype``, ``replace_with_kernel_inject``, ``injection_policy``, ``replace_method``, ``enable_cuda_graph``)
-    and the fit loop's ``resume_data_position``, which are refused: ``stage`` (0-3 or ``"auto"``: chosen when
-    ``fabric.setup`` sees the model), ``device_memory``, ``measure_activations``, ``config`` (path or dict,
-    ``PL_DEEPSPEED_CONFIG_PATH`` when unset; its ``"auto"`` values are filled from Fabric's precision, world size
-    and the model), offload, ``hpu_mode``, ``torch_compile``, ``number_checkpoints``, ``zero3_leaf_modules``, and
-    every other argument of :class:`lightning.fabric.strategies.DeepSpeedStrategy` by keyword.
+    The arguments are those of the Trainer's :class:`lightning_gaudi_ds.HPUDeepSpeedStrategy`, documented there,
+    less its inference engine's and the fit loop's: ``stage`` (0-3 or ``"auto"``, chosen when ``fabric.setup`` sees
+    the model), ``device_memory``, ``measure_activations``, ``config`` (path or dict, ``PL_DEEPSPEED_CONFIG_PATH``
+    when unset; its ``"auto"`` values are filled from Fabric's precision, world size and the model), offload,
+    ``hpu_mode``, ``torch_compile``, ``number_checkpoints``, ``zero3_leaf_modules``, and every other argument of
+    :class:`lightning.fabric.strategies.DeepSpeedStrategy` by keyword.
     """
 
-    @process.arguments_of(TrainerStrategy)
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        bound = _TRAINER_ARGUMENTS.bind(*args, **kwargs)
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        arguments.update(arguments.pop("kwargs"))
-        inference = [name for name in _INFERENCE_ONLY if arguments.pop(name) is not None]
-        if inference:
-            raise ConfigError(
-                f"HPUDeepSpeedStrategy for Fabric has no inference engine: {', '.join(inference)} configure"
-                " the Trainer strategy's trainer.predict/validate/test; remove them (Fabric runs the model as trained)."
-            )
-        if arguments.pop("resume_data_position") is not True:
-            raise ConfigError(
-                "resume_data_position=False: Fabric has no fit loop whose data position the strategy restores (your"
-                " loop reads its loader; keep the step in the state you fabric.save and skip to it). Remove it."
-            )
-        own = {name: arguments.pop(name) for name in _PACKAGE_ONLY}
-        leaf_modules = own.pop("zero3_leaf_modules")
-        # Created before Fabric's __init__, which loads the config through _load_config.
-        self._resolver, arguments["stage"] = StrategyConfig.from_arguments(type(self), arguments, **own)
+    def __init__(
+        self,
+        stage: int | Literal["auto"] = 2,
+        *,
+        device_memory: int | str | None = None,
+        measure_activations: bool = False,
+        accelerator: Accelerator | None = None,
+        config: _PATH | dict[str, Any] | None = None,
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        remote_device: str | None = None,
+        nvme_path: str = "/local_nvme",
+        process_group_backend: str | None = None,
+        logging_level: int = logging.WARN,
+        hpu_mode: hpu.Mode | None = None,
+        torch_compile: bool | None = None,
+        number_checkpoints: int | None = None,
+        zero3_leaf_modules: Sequence[type[Module] | str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        _refuse_trainer_only(kwargs)
+        arguments = dict(
+            stage=stage, accelerator=accelerator, config=config, offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters, remote_device=remote_device, nvme_path=nvme_path,
+            process_group_backend=process_group_backend, logging_level=logging_level, **kwargs,
+        )
+        self._check_arguments(arguments, Options(
+            device_memory=device_memory, measure_activations=measure_activations, hpu_mode=hpu_mode,
+            torch_compile=torch_compile, number_checkpoints=number_checkpoints, zero3_leaf_modules=zero3_leaf_modules,
+        ))
         super().__init__(**arguments)
-        self._adopt_arguments(config=arguments["config"], offload_parameters=arguments["offload_parameters"],
-                              number_checkpoints=own["number_checkpoints"], hpu_mode=own["hpu_mode"],
-                              torch_compile=own["torch_compile"], zero3_leaf_modules=leaf_modules)
+        self._adopt_arguments(config=config, offload_parameters=offload_parameters)
         self._unresolved: ConfigError | None = None  # set up before the model: what only the model can resolve
+
+    @property
+    @override
+    def _precision_name(self) -> str:
+        return self.precision.precision
 
     # ----------------------------------------------------------------------------------------- set-up
     @override
-    def _configure_launcher(self) -> None:
-        # Called by Fabric's constructor once accelerator and precision are known: checked before any process starts.
-        process.before_launch(self, self._runtime, self._resolver, self.precision.precision)
-        super()._configure_launcher()
-        process.after_launcher(self._launcher, self._runtime)
-
-    @override
     def setup_environment(self) -> None:
-        # Fabric's without its gate that refuses every accelerator but CUDA, plus the device's preparation.
-        process.prepare_device(self, self._runtime, process.set_deepspeed_accelerator, self._set_world_ranks)
+        # A copy of Fabric 2.6.6's without its CUDA-only gate, plus the device's preparation.
+        self._prepare_device(self._set_world_ranks)
         DDPStrategy.setup_environment(self)
 
     @override
     def _setup_distributed(self) -> None:
-        mode = inference.shm_comm_mode(None, self.world_size, os.environ.get(SHM_MODE_ENV))
-        process.start_distributed(self, self._runtime, set_world_ranks=self._set_world_ranks,
-                                  init=self._init_deepspeed_distributed, offload=offloads_optimizer(self.config),
-                                  shm_comm=mode)
+        # A copy of Fabric 2.6.6's (DeepSpeedCore._start_distributed); the config resolved before the model exists.
+        self._start_distributed(self._set_world_ranks)
         self._format_config()
         self._config_initialized = True
-
-    @override
-    def _init_deepspeed_distributed(self) -> None:
-        process.bounded_init(self, super()._init_deepspeed_distributed)
-
-    @override
-    def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or device_spec(self.root_device).backend
 
     # ------------------------------------------------------ DeepSpeed JSON config: load, "auto", contradictions
     @override
@@ -124,7 +116,7 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         # Before the model exists (fabric.init_module's zero.Init reads it); resolved again with the model in setup.
         # An "auto" only the model can fill (bucket sizes) waits for setup, unless zero.Init needs it first.
         try:
-            self.config = self._resolver.resolve_with(self, None, self.precision.precision)
+            self.config = self._resolve_config(None, self._precision_name)
             self._unresolved = None
         except ConfigError as error:
             self._unresolved = error
@@ -134,29 +126,17 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
     def _initialize_engine(
         self, model: Module, optimizer: Optimizer | None = None, scheduler: Any | None = None
     ) -> tuple[deepspeed.DeepSpeedEngine, Optimizer, Any]:
-        # Fabric's, with stage="auto" chosen and "auto" filled for this model, ZeRO-Offload's optimizer conversion,
-        # the device rank from the local rank (CPU and HPU devices have no index), and the engine compiled if asked.
-        precision = self.precision.precision
-        self._resolver.choose(self, model, precision)
+        # A copy of Fabric 2.6.6's, with stage="auto" chosen and "auto" filled for this model, ZeRO-Offload's
+        # optimizer conversion, the device rank for CPU and HPU devices, and the engine compiled if asked.
+        precision = self._precision_name
+        self._choose_stage(model, precision)
         _check_engine_inputs(model, optimizer, self.config)  # the stage is known: refused before any work
-        self.config = self._resolver.resolve_with(self, model, precision)
-        if optimizer is not None:
-            # Fabric has no resolved-config log: the CPU default for the optimizer is said here
-            device_type = device_spec(self.root_device).device_type
-            optimizer, _ = train.optimizer_sources(self.config, optimizer, None, device_type, rank_zero_info,
-                                                   fabric=True)
+        self.config = self._resolve_config(model, precision)
+        if optimizer is not None:  # Fabric has no resolved-config log: the CPU default for the optimizer is said here
+            optimizer, _ = train.optimizer_sources(self.config, optimizer, None, self.device_spec.device_type,
+                                                   rank_zero_info, fabric=True)
         self._runtime.before_engine(model, self.root_device)
-        engine, ds_optimizer, ds_scheduler = process.initialize(
-            self, process.deepspeed_args(self.root_device, self.local_rank), model, optimizer, scheduler
-        )
-        self._runtime.compile_engine(engine)
-        return engine, ds_optimizer, ds_scheduler
-
-    @override
-    def _set_deepspeed_activation_checkpointing(self) -> None:
-        # Fabric's version drops the number of checkpoints: DeepSpeed reads the whole section itself.
-        assert isinstance(self.config, dict)
-        checkpointing.configure(self.config)
+        return self._deepspeed_initialize(model, optimizer, scheduler)
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
@@ -164,7 +144,7 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         # partitions (lightning_gaudi_ds.hf).
         if self._unresolved is not None and self.zero_stage_3:
             raise self._unresolved
-        return process.zero_init_context(self.config if self.zero_stage_3 else None, super().module_sharded_context)
+        return self._zero_init_context(super().module_sharded_context)
 
     # ------------------------------------------ engine calls: HPU lazy-mode graph breaks (engine.step)
     backward = engine_call(DeepSpeedStrategy.backward)
@@ -172,17 +152,11 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
 
     @override
     def all_reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor:
-        return reduce_on_device(super().all_reduce, self, tensor, group, reduce_op)
+        return self._reduce(super().all_reduce, tensor, group, reduce_op)
 
     # ------------------------------------------- checkpoints: crash-safe saves, validation, resharding
     # As under the Trainer (lightning_gaudi_ds.checkpoint): saved into `<path>.partial` and renamed into place once
     # every rank wrote its shard; validated before DeepSpeed reads it, resharded when the world size changed.
-    @property
-    def zero_stage(self) -> int:
-        """The ZeRO stage of the resolved DeepSpeed config (0-3)."""
-        assert isinstance(self.config, dict)
-        return int((self.config.get("zero_optimization") or {}).get("stage", 0))
-
     @override
     def save_checkpoint(
         self, path: _PATH, state: dict[str, Any], storage_options: Any | None = None,
@@ -224,20 +198,27 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
             _move_state_into(source=client_state, destination=state, keys=keys)
         return client_state
 
-    # ---------------------------------------------------------------------------------- registry
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        process.register(cls, strategy_registry)
 
-
-_TRAINER_ARGUMENTS = inspect.signature(TrainerStrategy)
-# The Trainer strategy's arguments that Fabric's refuses, and those of this package that Lightning's do not take.
-_INFERENCE_ONLY = ("tensor_parallel", "dtype", "replace_with_kernel_inject", "injection_policy", "replace_method",
-                   "enable_cuda_graph")
-_PACKAGE_ONLY = ("device_memory", "measure_activations", "hpu_mode", "torch_compile", "number_checkpoints",
-                 "zero3_leaf_modules")
 _FABRIC_OPT_IN = "pass `weights_only=False` to fabric.load"
+
+
+def _refuse_trainer_only(kwargs: dict[str, Any]) -> None:
+    """The Trainer strategy's arguments that have no meaning under Fabric, refused by name (rather than as an
+    unexpected keyword of Fabric's DeepSpeedStrategy)."""
+    serving = [name for name in INFERENCE_KEYS if kwargs.get(name) is not None]
+    if serving:
+        raise ConfigError(
+            f"HPUDeepSpeedStrategy for Fabric has no inference engine: {', '.join(serving)} configure"
+            " the Trainer strategy's trainer.predict/validate/test; remove them (Fabric runs the model as trained)."
+        )
+    for name in INFERENCE_KEYS:
+        kwargs.pop(name, None)
+    if "resume_data_position" in kwargs:
+        raise ConfigError(
+            f"resume_data_position={kwargs['resume_data_position']!r}: Fabric has no fit loop whose data position the"
+            " strategy restores (your loop reads its loader; keep the step in the state you fabric.save and skip to"
+            " it). Remove it."
+        )
 
 
 def _check_engine_inputs(model: Module, optimizer: Optimizer | None, config: dict[str, Any]) -> None:

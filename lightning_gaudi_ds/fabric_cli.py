@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
 def strategy_names() -> list[str]:
     """The names ``--strategy`` accepts beyond Lightning's: every ``hpu_deepspeed*`` name, offload ones included
     (each is complete as registered)."""
-    from lightning_gaudi_ds.engine.process import REGISTERED
+    from lightning_gaudi_ds.core.base import REGISTERED
 
     return [name for name, _, _ in REGISTERED]
 

@@ -29,6 +29,7 @@ from lightning_gaudi_ds import _compat
 from lightning_gaudi_ds._classes import import_class
 from lightning_gaudi_ds.checkpoint import export
 from lightning_gaudi_ds.config import ConfigError
+from lightning_gaudi_ds.errors import ModelLoadError
 
 
 @contextlib.contextmanager
@@ -81,7 +82,7 @@ def loading_errors_named() -> Iterator[None]:
         repo = _offline_miss(err)
         if repo is None:
             raise
-        raise OSError(
+        raise ModelLoadError(
             f"from_pretrained({repo!r}): no folder of that name, and it is not in the Hugging Face cache while the"
             " hub is offline (HF_HUB_OFFLINE=1 or local_files_only=True). Pass the path of the model's folder, or"
             f" download it once with the hub online (unset HF_HUB_OFFLINE; `hf download {repo}`)."

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, get_args
 
+from lightning_gaudi_ds.errors import InvalidArgumentError, SetupError
+
 log = logging.getLogger(__name__)
 
 Mode = Literal["eager", "lazy"]
@@ -66,11 +68,11 @@ def hpu_available() -> bool:
 def require_stack() -> None:
     """Raise a clear error when the Gaudi stack is missing or sees no device."""
     if not habana_frameworks_installed():
-        raise RuntimeError(MISSING_STACK)
+        raise SetupError(MISSING_STACK)
     import habana_frameworks.torch.hpu as hthpu
 
     if not hthpu.is_available():
-        raise RuntimeError(
+        raise SetupError(
             "`Trainer(accelerator='hpu')`: habana_frameworks is installed but no Gaudi device is visible"
             " (habana_frameworks.torch.hpu.is_available() is False). Check `hl-smi` and HABANA_VISIBLE_MODULES,"
             " or choose `accelerator='cpu'` or `'cuda'`."
@@ -138,6 +140,16 @@ def imported_mode() -> Mode | None:
     return "lazy" if is_lazy() else "eager"
 
 
+def check_mode_name(value: object, where: str, error: type[Exception]) -> None:
+    """The one check of a requested mode's name (the strategy's ``hpu_mode``, ``spawn --hpu_mode``,
+    :func:`check_mode`): ``error`` (the caller's member of the error family) unless ``value`` is None or a mode;
+    ``where`` names the argument, ``{}`` standing for the value (``"hpu_mode={}"``)."""
+    if value not in (None, *MODES):
+        raise error(f"{where.format(repr(value))} is not a Gaudi execution mode. Use 'eager' (with torch.compile,"
+                    " Habana's default) or 'lazy' (the legacy mark_step mode), or leave it unset to use"
+                    " PT_HPU_LAZY_MODE (unset: eager).")
+
+
 def check_mode(requested: Mode | None) -> Mode:
     """The mode this process runs in; refuses ``requested`` when ``habana_frameworks`` was imported in the other.
 
@@ -145,13 +157,11 @@ def check_mode(requested: Mode | None) -> Mode:
     for that import only, which fixes the mode for the process. ``os.environ`` is left as it was: ranks started
     from here get the mode from their launcher (:func:`rank_env`).
     """
-    if requested not in (None, *MODES):
-        raise ValueError(f"`hpu_mode={requested!r}` is not an HPU execution mode. Use 'eager' (with torch.compile,"
-                         " the default) or 'lazy' (the legacy mark_step mode).")
+    check_mode_name(requested, "hpu_mode={}", InvalidArgumentError)
     current = imported_mode()
     wanted: Mode = requested or current or mode_from_env()
     if current is not None and current != wanted:
-        raise RuntimeError(
+        raise SetupError(
             f"HPU execution mode {wanted!r} was requested, but habana_frameworks was already imported in {current!r}"
             f" mode ({LAZY_MODE_ENV}={os.environ.get(LAZY_MODE_ENV, '<unset>')} at import), and the mode cannot"
             " change afterwards. Start Python with"

@@ -20,8 +20,9 @@ from lightning.pytorch.cli import LightningCLI as _LightningCLI
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from lightning_gaudi_ds._compat import _PRECISION_INPUT_STR_ALIAS_CONVERSION
+from lightning_gaudi_ds.core.base import REGISTERED
 from lightning_gaudi_ds.devices import DEVICES
-from lightning_gaudi_ds.engine.process import REGISTERED
+from lightning_gaudi_ds.errors import InvalidArgumentError
 from lightning_gaudi_ds.precisions import PRECISIONS
 from lightning_gaudi_ds.strategy import HPUDeepSpeedStrategy
 
@@ -30,7 +31,7 @@ _PRECISION_ALIASES: Mapping[str, str] = _PRECISION_INPUT_STR_ALIAS_CONVERSION
 OWN_NAMES = tuple(name for name, _, _ in REGISTERED)
 
 
-def check_trainer_arguments(strategy: Any, precision: Any, accelerator: Any = "auto") -> None:
+def check_trainer_arguments(strategy: object, precision: object, accelerator: object = "auto") -> None:
     """Refuse a strategy name no registry knows, and a precision ``HPUDeepSpeedStrategy`` cannot train in.
 
     ``strategy`` may be a name, a strategy instance, or LightningCLI's not yet instantiated
@@ -47,7 +48,7 @@ def check_trainer_arguments(strategy: Any, precision: Any, accelerator: Any = "a
     allowed = spec.precisions if spec is not None else PRECISIONS
     if flag not in allowed:
         where = f" on accelerator={device!r}" if spec is not None else ""
-        raise ValueError(
+        raise InvalidArgumentError(
             f"precision={precision!r} is not supported by HPUDeepSpeedStrategy{where}: DeepSpeed trains in"
             f" {', '.join(repr(p) for p in allowed)}. Set --trainer.precision (Trainer(precision=...)) to one of"
             " them; 'bf16-mixed' is the usual choice on Gaudi, CPUs and recent GPUs."
@@ -60,7 +61,7 @@ def _check_strategy_name(name: str) -> None:
         return
     close = difflib.get_close_matches(name, list(available), n=3, cutoff=0.6)
     hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    raise ValueError(
+    raise InvalidArgumentError(
         f"strategy={name!r} is not a registered strategy name.{hint} This package registers"
         f" {', '.join(OWN_NAMES)}; any stage can also be set by class: --trainer.strategy"
         " lightning_gaudi_ds.HPUDeepSpeedStrategy --trainer.strategy.stage 3 (Trainer(strategy="
@@ -68,7 +69,7 @@ def _check_strategy_name(name: str) -> None:
     )
 
 
-def _is_own_strategy(strategy: Any) -> bool:
+def _is_own_strategy(strategy: object) -> bool:
     if isinstance(strategy, str):
         return strategy.lower() in OWN_NAMES
     if isinstance(strategy, Strategy):

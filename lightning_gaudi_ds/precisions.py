@@ -1,9 +1,15 @@
 """Names shared by light and heavy modules alike (the ``plan`` CLI, the config keys, the device table): the
-precisions the package knows and the device-tuned ZeRO keys. Imports nothing, so the planner stays light."""
+precisions the package knows, the ``"auto"`` value and the ZeRO section's name, and the device-tuned ZeRO keys.
+Imports nothing, so the planner stays light."""
 
 from __future__ import annotations
 
-__all__ = ["HALF_PRECISIONS", "PRECISIONS", "PRECISION_DTYPES", "ZERO_DEFAULT_KEYS"]
+__all__ = ["AUTO", "HALF_PRECISIONS", "PRECISIONS", "PRECISION_DTYPES", "ZERO", "ZERO_DEFAULT_KEYS"]
+
+#: The value a DeepSpeed config (and ``stage``) leaves to be filled (Hugging Face's convention).
+AUTO = "auto"
+#: The DeepSpeed config's ZeRO section.
+ZERO = "zero_optimization"
 
 #: Lightning precisions the strategy runs (the device table narrows them per device), and their parameter dtypes.
 PRECISION_DTYPES = {

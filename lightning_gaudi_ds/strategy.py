@@ -1,22 +1,22 @@
-"""``HPUDeepSpeedStrategy``: Lightning's DeepSpeed strategy made device-neutral (HPU, CUDA, CPU).
+"""``HPUDeepSpeedStrategy``: Lightning's DeepSpeed strategy made device-neutral (HPU, CUDA, CPU), for the Trainer.
 
-Lightning's hooks, which gather facts from the Trainer and delegate: the config and its resolution to
-:class:`lightning_gaudi_ds.config.StrategyConfig`, checks to :mod:`lightning_gaudi_ds.config.validate`, the process
-group and ``deepspeed.initialize`` to :mod:`lightning_gaudi_ds.engine.process`, the optimizer to
-:mod:`lightning_gaudi_ds.engine.train`, each engine call's context to :mod:`lightning_gaudi_ds.engine.step`,
-tensor-parallel serving to :mod:`lightning_gaudi_ds.engine.inference`, checkpoints to
-:mod:`lightning_gaudi_ds.checkpoint`. Copies of Lightning's methods are hash-guarded in
-:mod:`lightning_gaudi_ds._compat`. DeepSpeed is imported only inside the functions that use it: importing it picks
-DeepSpeed's global accelerator, which must wait until ``setup_environment`` has chosen the Trainer's device.
+A thin adapter: what both strategies share is :class:`lightning_gaudi_ds.core.base.DeepSpeedCore`; this class adds
+the Trainer's own hooks, which gather facts from the Trainer and pass them down as values: the config resolved for
+the Trainer attached, the optimizer chosen as Lightning chooses it (:mod:`lightning_gaudi_ds.engine.train`), each
+engine call's context (:mod:`lightning_gaudi_ds.engine.step`), checkpoints (:mod:`lightning_gaudi_ds.checkpoint`),
+restarts and mid-epoch resume (:mod:`lightning_gaudi_ds.checkpoint.resume`). Tensor-parallel serving is its own
+class, :class:`TensorParallelStrategy` (its hooks in :mod:`lightning_gaudi_ds.serving`), which
+``HPUDeepSpeedStrategy(tensor_parallel=...)`` makes. Copies of Lightning's methods are hash-guarded in
+:mod:`lightning_gaudi_ds._compat`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import logging
-import os
+import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -33,23 +33,24 @@ from typing_extensions import override
 
 from lightning_gaudi_ds import checkpoint as ckpt
 from lightning_gaudi_ds import hf, hpu
-from lightning_gaudi_ds._compat import _PATH, _StrategyRegistry, attached_trainer, weights_only_dropped_by_lightning
+from lightning_gaudi_ds._compat import _PATH, attached_trainer, train_dataloaders, weights_only_dropped_by_lightning
 from lightning_gaudi_ds.checkpoint import resume
 from lightning_gaudi_ds.checkpoint.io import refusal_named
-from lightning_gaudi_ds.config import StrategyConfig, load_config, offloads_optimizer
+from lightning_gaudi_ds.config import load_config
+from lightning_gaudi_ds.config.sizing import shared_batch_size
 from lightning_gaudi_ds.config.validate import check_trainer
-from lightning_gaudi_ds.devices import DeviceSpec, device_spec
-from lightning_gaudi_ds.engine import checkpointing, inference, process, train
-from lightning_gaudi_ds.engine.device import reduce_on_device
+from lightning_gaudi_ds.core.base import DeepSpeedCore
+from lightning_gaudi_ds.core.options import Options
+from lightning_gaudi_ds.engine import inference, train
 from lightning_gaudi_ds.engine.step import engine_call, third_party_deprecations_silenced
 from lightning_gaudi_ds.errors import ConfigError
-from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV
+from lightning_gaudi_ds.serving import TensorParallelServing
 
 if TYPE_CHECKING:
     import deepspeed
 
 
-class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
+class HPUDeepSpeedStrategy(DeepSpeedCore, DeepSpeedStrategy):
     """DeepSpeed ZeRO stages 0-3 (with CPU/NVMe offload) for Lightning on Intel Gaudi, CUDA GPUs and CPUs.
 
     Args:
@@ -72,7 +73,9 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         number_checkpoints: ``deepspeed.checkpointing.checkpoint`` calls per forward pass, needed by
             ``contiguous_memory_optimization=True`` (the config's ``activation_checkpointing.number_checkpoints``).
         tensor_parallel: ``{"tp_size": N}`` serves ``trainer.predict/validate/test`` with DeepSpeed's inference
-            engine, the model split across N = devices x num_nodes ranks; every rank reads the same batches.
+            engine, the model split across N = devices x num_nodes ranks; every rank reads the same batches. With it
+            (or any of the five below, as arguments or config keys) the strategy is a
+            :class:`~lightning_gaudi_ds.serving.TensorParallelStrategy`.
         dtype: the engine's dtype; by default the Trainer's precision decides (they must agree).
         replace_with_kernel_inject: DeepSpeed's fused CUDA inference kernels instead of splitting the modules.
         injection_policy: ``{LayerClass: ("names", "of", "row-parallel", "linears")}`` for models AutoTP does
@@ -120,6 +123,12 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         resume_data_position: bool = True,
         **kwargs: Any,
     ) -> None:
+        if type(self) is HPUDeepSpeedStrategy and inference.serving_requested(dict(
+                config=config, tensor_parallel=tensor_parallel, dtype=dtype, injection_policy=injection_policy,
+                replace_with_kernel_inject=replace_with_kernel_inject, replace_method=replace_method,
+                enable_cuda_graph=enable_cuda_graph)):
+            # The inference engine's arguments (or config keys) make it the serving strategy, a class of its own.
+            self.__class__ = TensorParallelStrategy
         if not isinstance(resume_data_position, bool):
             raise ConfigError(f"resume_data_position={resume_data_position!r}: pass True (a mid-epoch resume goes on"
                               " with the next batch) or False (it re-reads the epoch from its start, as Lightning).")
@@ -128,12 +137,10 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
             offload_parameters=offload_parameters, remote_device=remote_device, nvme_path=nvme_path,
             process_group_backend=process_group_backend, logging_level=logging_level, **kwargs,
         )
-        # Created before Lightning's __init__, which loads the config through _load_config.
-        self._resolver, arguments["stage"] = StrategyConfig.from_arguments(
-            type(self), arguments, hpu_mode=hpu_mode, torch_compile=torch_compile,
-            measure_activations=measure_activations, number_checkpoints=number_checkpoints,
-            device_memory=device_memory,
-        )
+        self._check_arguments(arguments, Options(
+            device_memory=device_memory, measure_activations=measure_activations, hpu_mode=hpu_mode,
+            torch_compile=torch_compile, number_checkpoints=number_checkpoints, zero3_leaf_modules=zero3_leaf_modules,
+        ))
         self._inference_config: dict[str, Any] = {}  # the inference keys of `config`, set by _load_config
         # Each argument by name and `**kwargs` as such: jsonargparse (LightningCLI) follows `**kwargs` into
         # DeepSpeedStrategy's signature only when it is passed on unchanged.
@@ -142,57 +149,50 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
             offload_parameters=offload_parameters, remote_device=remote_device, nvme_path=nvme_path,
             process_group_backend=process_group_backend, logging_level=logging_level, **kwargs,
         )
-        self._adopt_arguments(config=config, offload_parameters=offload_parameters,
-                              number_checkpoints=number_checkpoints, hpu_mode=hpu_mode, torch_compile=torch_compile,
-                              zero3_leaf_modules=zero3_leaf_modules)
-        self._inference = inference.serving_settings(
-            dict(tensor_parallel=tensor_parallel, dtype=dtype, replace_with_kernel_inject=replace_with_kernel_inject,
-                 injection_policy=injection_policy, replace_method=replace_method, enable_cuda_graph=enable_cuda_graph),
-            self._inference_config, self._resolver.zero_arguments, self.config,
+        self._adopt_arguments(config=config, offload_parameters=offload_parameters)
+        self._serving_arguments = dict(
+            tensor_parallel=tensor_parallel, dtype=dtype, replace_with_kernel_inject=replace_with_kernel_inject,
+            injection_policy=injection_policy, replace_method=replace_method, enable_cuda_graph=enable_cuda_graph,
         )
-        self._inference_dtype: torch.dtype | None = None
+        self._adopt_serving_arguments()
         self._preemption = resume.PreemptionWatch()
         self.resume_data_position = resume_data_position
 
-    @property
-    def device_spec(self) -> DeviceSpec:
-        """The device-table row of this strategy's root device."""
-        return device_spec(self.root_device)
+    def _adopt_serving_arguments(self) -> None:
+        # The serving class takes them; a training strategy (a user's subclass of this one, which is not made a
+        # serving one) must not drop them silently.
+        given = [k for k, v in self._serving_arguments.items() if v is not None] + sorted(self._inference_config)
+        if given:
+            raise ConfigError(
+                f"{type(self).__name__}({', '.join(given)}): these configure DeepSpeed's inference engine, which"
+                " lightning_gaudi_ds.TensorParallelStrategy runs (HPUDeepSpeedStrategy(tensor_parallel=...)"
+                " returns one). Subclass TensorParallelStrategy to serve, or remove them to train."
+            )
 
+    @property
     @override
-    def _configure_launcher(self) -> None:
-        # The Trainer's constructor, once accelerator and precision are known: checks before any process starts.
-        process.before_launch(self, self._runtime, self._resolver, self.precision_plugin.precision)
-        assert self.parallel_devices is not None
-        self._inference_dtype = inference.before_launch(self._inference, self.parallel_devices, self.num_nodes,
-                                                        self.precision_plugin.precision)
-        super()._configure_launcher()
-        process.after_launcher(self._launcher, self._runtime)
+    def _precision_name(self) -> str:
+        return self.precision_plugin.precision
 
     @override
     def setup_environment(self) -> None:
         # A copy of Lightning 2.6.6's without its CUDA-only gate; Trainer flags checked and the device prepared first.
-        check_trainer(attached_trainer(self.lightning_module), serving=self._inference is not None)
-        process.prepare_device(self, self._runtime, self._select_deepspeed_accelerator, self.set_world_ranks)
+        self._check_trainer(attached_trainer(self.lightning_module))
+        self._prepare_device(self.set_world_ranks)
         DDPStrategy.setup_environment(self)
+
+    def _check_trainer(self, trainer: pl.Trainer | None) -> None:
+        check_trainer(trainer, serving=False)
 
     @override
     def setup_distributed(self) -> None:
-        # A copy of Lightning 2.6.6's (process.start_distributed); serving decides whether the CPU shm op is loaded.
-        mode = inference.shm_comm_mode(self._inference, self.world_size, os.environ.get(SHM_MODE_ENV))
-        process.start_distributed(self, self._runtime, set_world_ranks=self.set_world_ranks, shm_comm=mode,
-                                  init=self._init_deepspeed_distributed, offload=offloads_optimizer(self.config))
+        # A copy of Lightning 2.6.6's (DeepSpeedCore._start_distributed).
+        self._start_distributed(self.set_world_ranks)
 
     @override
-    def _init_deepspeed_distributed(self) -> None:
-        process.bounded_init(self, super()._init_deepspeed_distributed)
-
-    @override
-    def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or self.device_spec.backend
-
-    def _select_deepspeed_accelerator(self, spec: DeviceSpec) -> None:
-        process.set_deepspeed_accelerator(spec)
+    def set_world_ranks(self) -> None:
+        self._adopt_launcher()
+        super().set_world_ranks()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -206,37 +206,53 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         # Lightning's zero.Init, with transformers told (from_pretrained loads into the partitions, see hf); resolved
         # first, so that transformers is imported, if at all, before zero.Init patches module construction.
         self._init_config_if_needed()
-        with process.zero_init_context(self.config if self.zero_stage_3 else None, super().model_sharded_context):
+        with self._zero_init_context(super().model_sharded_context):
             yield
-
-    def _deepspeed_args(self) -> argparse.Namespace:
-        return process.deepspeed_args(self.root_device, self.local_rank)
 
     @override
     def _setup_model_and_optimizer(
         self, model: Module, optimizer: Optimizer | None, lr_scheduler: Any | None = None
     ) -> tuple[deepspeed.DeepSpeedEngine, Optimizer]:
-        # A copy of Lightning 2.6.6's, with the device rank from _deepspeed_args (CPU and HPU devices have no index)
-        engine, ds_optimizer, _ = process.initialize(self, self._deepspeed_args(), model, optimizer, lr_scheduler)
+        # A copy of Lightning 2.6.6's, with the device rank for CPU and HPU devices (DeepSpeedCore).
+        engine, ds_optimizer, _ = self._deepspeed_initialize(model, optimizer, lr_scheduler)
         return engine, ds_optimizer
 
     @override
-    def _initialize_deepspeed_inference(self, model: Module) -> None:
-        with self._runtime.deepspeed_calls():
-            self.model = inference.initialize(self, model, self._inference, self._inference_dtype)
-
-    @override
     def _initialize_deepspeed_train(self, model: Module) -> None:
-        train.initialize_engine(self, model)
-
-    @override
-    def _set_deepspeed_activation_checkpointing(self) -> None:
-        # Lightning's drops the number of checkpoints and synchronize_checkpoint_boundary: DeepSpeed reads the section.
-        assert isinstance(self.config, dict)
-        checkpointing.configure(self.config)
+        # A copy of Lightning 2.6.6's, with the optimizer and the scheduler chosen as Lightning chooses them and a
+        # warning where the config and configure_optimizers both give one (train.optimizer_sources).
+        optimizer, scheduler_config = self._client_optimizer_and_scheduler()
+        scheduler = scheduler_config.scheduler if scheduler_config is not None else None
+        engine, ds_optimizer = self._setup_model_and_optimizer(model, optimizer, scheduler)
+        self._set_deepspeed_activation_checkpointing()
+        self.optimizers = [ds_optimizer]
+        if engine.lr_scheduler is not None:
+            ds_scheduler, engine.lr_scheduler = engine.lr_scheduler, None  # Lightning steps the scheduler
+            if scheduler_config is None:
+                scheduler_config = LRSchedulerConfig(ds_scheduler, interval="step")
+            else:
+                scheduler_config.scheduler = ds_scheduler
+            self.lr_scheduler_configs = [scheduler_config]
+        self.model = engine
 
     def _client_optimizer_and_scheduler(self) -> tuple[Optimizer | None, LRSchedulerConfig | None]:
-        return train.client_optimizer_and_scheduler(self)
+        """What configure_optimizers returned against the config's sections, as Lightning chooses between them
+        (:func:`train.optimizer_sources`): the optimizer and scheduler ``deepspeed.initialize`` gets."""
+        assert isinstance(self.config, dict)
+        with warnings.catch_warnings():  # None: the config's optimizer is used, or optimizer_sources says what to do
+            warnings.filterwarnings("ignore", message=".*configure_optimizers` returned `None`")
+            returned, scheduler_config = self._init_optimizers()
+        return train.optimizer_sources(self.config, returned, scheduler_config, self.device_spec.device_type,
+                                       self._resolver.add_filled)
+
+    @override
+    def _initialize_deepspeed_inference(self, model: Module) -> None:
+        # A copy of Lightning 2.6.6's (engine.inference.init_zero_engine), with the device rank for CPU and HPU.
+        assert isinstance(self.config, dict)
+        self._mark_leaf_modules(model)
+        with self._runtime.deepspeed_calls():
+            self.model = inference.init_zero_engine(model, self.config, self._deepspeed_args(),
+                                                    zero_stage_3=self.zero_stage_3)
 
     @override
     def _init_optimizers(self) -> tuple[Optimizer, LRSchedulerConfig | None]:
@@ -252,7 +268,7 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None,
                reduce_op: ReduceOp | str | None = "mean") -> Tensor:
-        return reduce_on_device(super().reduce, self, tensor, group, reduce_op)
+        return self._reduce(super().reduce, tensor, group, reduce_op)
 
     @override
     def on_train_start(self) -> None:
@@ -260,8 +276,10 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         train.warn_at_train_start(self.lightning_module, self.zero_stage_3)
         trainer = attached_trainer(self.lightning_module)
         if trainer is not None:  # after Lightning's own SIGTERM handler, which it registers before this
-            self._preemption.install(self, trainer)
-            self._resolver.publish(trainer, rank_zero=self.is_global_zero)  # trainer.log_dir: every rank calls it
+            self._preemption.install(trainer, resume.RankFacts(self.world_size, self.global_rank, self.local_rank,
+                                                               self.launcher))
+            # trainer.log_dir: every rank calls it
+            self._resolver.publish(trainer.log_dir or trainer.default_root_dir, rank_zero=self.is_global_zero)
 
     @override
     def on_train_end(self) -> None:
@@ -271,15 +289,18 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
     @override
     def teardown(self) -> None:
         try:
-            resume.save_on_preemption(self, attached_trainer(self.lightning_module))
+            resume.save_on_preemption(attached_trainer(self.lightning_module), has_engine=self.model is not None)
         finally:
             super().teardown()
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
-        resume.hook_trainer(self, attached_trainer(model))
+        trainer = attached_trainer(model)
+        if trainer is not None and trainer.strategy is self:
+            resume.hook_trainer(trainer, data_position=self.resume_data_position)
 
+    # ------------------------------------------------------ DeepSpeed JSON config: load, "auto", contradictions
     @override
     def _load_config(self, config: _PATH | dict[str, Any] | None) -> dict[str, Any] | None:
         # In Lightning's __init__. The inference engine's keys (tensor_parallel, dtype, ...) are not DeepSpeed's.
@@ -288,24 +309,41 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
 
     @override
     def _init_config_if_needed(self) -> None:
-        self.config = self._resolver.ensure_resolved(self)
+        # stage="auto" chosen; every "auto" filled for the Trainer attached now, again whenever that changed.
+        module = self.lightning_module
+        self._choose_stage(module, self.precision_plugin.precision)
+        trainer = attached_trainer(module)
+        made_for = (weakref.ref(trainer) if trainer is not None else None,
+                    trainer.state.fn if trainer is not None else None,
+                    module is not None and any(True for _ in module.parameters()))
+        assert isinstance(self.config, dict)
+        self.config = self._resolver.ensure_resolved(self.config, made_for, self._resolved_for_trainer)
         self._config_initialized = True
 
     @override
     def _format_config(self) -> None:
-        self.config = self._resolver.resolve_for(self)
+        self.config = self._resolved_for_trainer()
 
-    @override
-    def set_world_ranks(self) -> None:
-        process.adopt_launcher(self)
-        super().set_world_ranks()
+    def _resolved_for_trainer(self) -> dict[str, Any]:
+        """The config with every ``"auto"`` filled from the Trainer attached, the module and the devices."""
+        module = self.lightning_module
+        trainer = attached_trainer(module)
+        fit = trainer if trainer is not None and trainer.state.fn == TrainerFn.FITTING else None
+        total = None
+        if fit is not None and "scheduler" in (self.config or {}):
+            steps = fit.estimated_stepping_batches
+            total = int(steps) if steps != float("inf") else None
+        return self._resolve_config(
+            module, self.precision_plugin.precision,
+            accumulate_grad_batches=trainer.accumulate_grad_batches if trainer is not None else 1,
+            micro_batch_size=shared_batch_size(train_dataloaders(fit)) if fit is not None else None,
+            gradient_clip_val=trainer.gradient_clip_val if trainer is not None else None,
+            hparams=dict(getattr(module, "hparams", None) or {}),
+            total_steps=total,
+            fitting=fit is not None,
+        )
 
-    @property
-    def zero_stage(self) -> int:
-        """The ZeRO stage of the resolved DeepSpeed config (0-3)."""
-        assert isinstance(self.config, dict)
-        return self._resolver.zero_stage(self.config)
-
+    # ------------------------------------------- checkpoints: crash-safe saves, validation, resharding
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:  # Lightning's own error
@@ -314,31 +352,10 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         ckpt.save(checkpoint, filepath, self, functools.partial(super().save_checkpoint, checkpoint),
                   lambda: self.zero_stage)
 
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return self._inference is None  # the inference engine splits the weights it is given: load them first
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, int]:
-        if self._inference is None:
-            return super().distributed_sampler_kwargs
-        return inference.sampler_kwargs(self.world_size, self.global_rank, self._inference.tp_size)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if self._inference is None:
-            return super().load_model_state_dict(checkpoint, strict)
-        assert self.lightning_module is not None
-        inference.load_weights(self.lightning_module, checkpoint, strict)
-
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         if weights_only is None:  # Lightning drops the Trainer's argument when restoring after setup
             weights_only = weights_only_dropped_by_lightning()
-        if self._inference is not None:  # any ZeRO stage's shards, merged in memory, or one converted file
-            return inference.load_full_state_dict(self.broadcast(str(checkpoint_path)), weights_only)
         if self.load_full_weights and self.zero_stage_3:  # one file, torch.load's: its refusal names the file
             with refusal_named(checkpoint_path):
                 return super().load_checkpoint(checkpoint_path, weights_only)
@@ -353,10 +370,14 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         if self.is_global_zero:
             ckpt.remove_checkpoint(filepath)
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        process.register(cls, strategy_registry)
+
+class TensorParallelStrategy(TensorParallelServing, HPUDeepSpeedStrategy):
+    """Serves a model split across ranks by DeepSpeed's inference engine: ``trainer.predict``, ``validate`` and
+    ``test`` (``fit`` is refused). Every rank of a tensor-parallel group reads the same batches; with
+    ``tp_size`` < devices x num_nodes the groups are data-parallel replicas. The arguments are
+    :class:`HPUDeepSpeedStrategy`'s, which makes one of these when given any of the engine's: ``tensor_parallel``,
+    ``dtype``, ``replace_with_kernel_inject``, ``injection_policy``, ``replace_method`` and ``enable_cuda_graph``
+    (see :mod:`lightning_gaudi_ds.engine.inference`; the hooks are :mod:`lightning_gaudi_ds.serving`'s)."""
 
 
 # Defining the strategy registers its names, however this module was reached (see lightning_gaudi_ds/__init__.py).

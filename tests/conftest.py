@@ -42,6 +42,7 @@ LIGHTNING_WRITES = frozenset({
 def rank_zero_as_it_was() -> Iterator[None]:
     """Lightning's strategies set ``rank_zero_only.rank`` to their global rank in-process (a Trainer or Fabric with
     rank 1 wired to the Gaudi double): put it back, or every later rank-zero warning of the session stays silent."""
+    import lightning.fabric.utilities.rank_zero  # noqa: F401  (its import sets the rank from the environment, once)
     from lightning_utilities.core.rank_zero import rank_zero_only
 
     before = getattr(rank_zero_only, "rank", None)

@@ -73,42 +73,67 @@ def test_format_precision_config_signature() -> None:
     assert config.get("fp16", {}).get("enabled") is True, f"{LIGHTNING}: _format_precision_config adds no fp16 block"
 
 
-def test_overridden_deepspeed_strategy_hooks_exist() -> None:
-    from lightning.pytorch.strategies import DeepSpeedStrategy
+def _lightning_deepspeed_strategy(side: str) -> type:
+    if side == "trainer":
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+    else:
+        from lightning.fabric.strategies import DeepSpeedStrategy
+    return DeepSpeedStrategy
 
-    from lightning_gaudi_ds._compat import OVERRIDDEN_DEEPSPEED_STRATEGY_HOOKS
 
-    hooks = OVERRIDDEN_DEEPSPEED_STRATEGY_HOOKS
-    missing = [name for name in hooks if not callable(getattr(DeepSpeedStrategy, name, None))]
-    assert not missing, (
-        f"{LIGHTNING} removed DeepSpeedStrategy.{', '.join(missing)}, overridden or called by HPUDeepSpeedStrategy:"
+def _own_strategy(side: str) -> type:
+    if side == "trainer":
+        from lightning_gaudi_ds.strategy import HPUDeepSpeedStrategy
+    else:
+        from lightning_gaudi_ds.fabric import HPUDeepSpeedStrategy
+    return HPUDeepSpeedStrategy
+
+
+# One list for both strategies: (Trainer or Fabric side, private hook of Lightning's DeepSpeedStrategy overridden).
+_HOOKS = [("trainer", name) for name in _compat.OVERRIDDEN_DEEPSPEED_STRATEGY_HOOKS] + [
+    ("fabric", name) for name in _compat.OVERRIDDEN_FABRIC_DEEPSPEED_STRATEGY_HOOKS]
+_COPIES = [("trainer", name, digest) for name, digest in _compat.COPIED_DEEPSPEED_STRATEGY_METHODS.items()] + [
+    ("fabric", name, digest) for name, digest in _compat.COPIED_FABRIC_DEEPSPEED_STRATEGY_METHODS.items()]
+
+
+@pytest.mark.parametrize(("side", "name"), _HOOKS)
+def test_overridden_deepspeed_strategy_hooks_exist(side: str, name: str) -> None:
+    base = _lightning_deepspeed_strategy(side)
+    assert callable(getattr(base, name, None)), (
+        f"{LIGHTNING} removed {side} DeepSpeedStrategy.{name}, overridden or called by HPUDeepSpeedStrategy:"
         " the override is no longer called"
     )
 
 
-def test_deepspeed_strategy_attributes_exist() -> None:
-    from lightning_gaudi_ds import HPUDeepSpeedStrategy
+def test_every_private_override_is_listed() -> None:
+    """Each private method of Lightning's DeepSpeedStrategy that either strategy (or their core) overrides is in
+    _compat's lists, so that a rename upstream is caught."""
+    for side in ("trainer", "fabric"):
+        base, own = _lightning_deepspeed_strategy(side), _own_strategy(side)
+        listed = {name for s, name in _HOOKS if s == side}
+        ours = {name for klass in own.__mro__[: own.__mro__.index(base)] for name in klass.__dict__}
+        private = {name for name in ours if name.startswith("_") and not name.startswith("__")
+                   and callable(getattr(base, name, None))}
+        assert private <= listed, f"{side}: overrides of private hooks not in _compat: {sorted(private - listed)}"
+
+
+@pytest.mark.parametrize("side", ["trainer", "fabric"])
+def test_deepspeed_strategy_attributes_exist(side: str) -> None:
     from lightning_gaudi_ds._compat import DEEPSPEED_STRATEGY_ATTRIBUTES
 
-    strategy = HPUDeepSpeedStrategy()
+    strategy = _own_strategy(side)()
     missing = [name for name in DEEPSPEED_STRATEGY_ATTRIBUTES if not hasattr(strategy, name)]
-    assert not missing, f"{LIGHTNING} removed DeepSpeedStrategy attribute(s) {missing}, used by HPUDeepSpeedStrategy"
+    assert not missing, f"{LIGHTNING} removed {side} DeepSpeedStrategy attribute(s) {missing}, read by the strategy"
 
 
-@pytest.mark.parametrize("name", sorted(_compat.COPIED_DEEPSPEED_STRATEGY_METHODS))
-def test_copied_lightning_methods_unchanged(name: str) -> None:
-    from lightning.pytorch.strategies import DeepSpeedStrategy
+@pytest.mark.parametrize(("side", "name", "digest"), _COPIES)
+def test_copied_lightning_methods_unchanged(side: str, name: str, digest: str) -> None:
+    from lightning_gaudi_ds._compat import COPIED_FROM_LIGHTNING_VERSION, _source_digest
 
-    from lightning_gaudi_ds._compat import (
-        COPIED_DEEPSPEED_STRATEGY_METHODS,
-        COPIED_FROM_LIGHTNING_VERSION,
-        _source_digest,
-    )
-
-    digest = _source_digest(getattr(DeepSpeedStrategy, name))
-    assert digest == COPIED_DEEPSPEED_STRATEGY_METHODS[name], (
-        f"{LIGHTNING} changed DeepSpeedStrategy.{name}, which HPUDeepSpeedStrategy.{name} copies from Lightning"
-        f" {COPIED_FROM_LIGHTNING_VERSION}: carry the change over, then set its hash in _compat.py to {digest!r}"
+    now = _source_digest(getattr(_lightning_deepspeed_strategy(side), name))
+    assert now == digest, (
+        f"{LIGHTNING} changed the {side} DeepSpeedStrategy.{name}, which HPUDeepSpeedStrategy.{name} copies from"
+        f" Lightning {COPIED_FROM_LIGHTNING_VERSION}: carry the change over, then set its hash in _compat.py to {now!r}"
     )
 
 

@@ -529,7 +529,7 @@ class TestStrategyWiring:
         fabric = Fabric(accelerator="cpu", devices=1, strategy=FabricStrategy(config=copy.deepcopy(config)))
         for strategy in (_strategy(config=copy.deepcopy(config)), fabric.strategy):
             assert strategy.config["zero_optimization"]["offload_optimizer"] is False  # kept, as Lightning keeps it
-        resolved = fabric.strategy._resolver.resolve_with(fabric.strategy, None, "32-true")  # what DeepSpeed gets
+        resolved = fabric.strategy._resolve_config(None, "32-true")  # what DeepSpeed gets
         assert "offload_optimizer" not in resolved["zero_optimization"] and not dsc.offloads_optimizer(resolved)
         assert DeepSpeedZeroConfig(**resolved["zero_optimization"]).offload_optimizer is None  # DeepSpeed takes it
         with pytest.raises(ConfigError, match="offload_optimizer: true is not valid"):  # `true` names no device

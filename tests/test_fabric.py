@@ -26,10 +26,10 @@ from lightning_gaudi_ds import HPUAccelerator, _compat, cli, fabric_cli, hpu
 from lightning_gaudi_ds import HPUDeepSpeedStrategy as TrainerStrategy
 from lightning_gaudi_ds.checkpoint import MANIFEST
 from lightning_gaudi_ds.config import ConfigError
-from lightning_gaudi_ds.engine import process
 from lightning_gaudi_ds.fabric import HPUDeepSpeedStrategy
 from lightning_gaudi_ds.launch._proc import free_port
-from lightning_gaudi_ds.engine.process import REGISTERED as _REGISTERED
+from lightning_gaudi_ds.core.base import REGISTERED as _REGISTERED
+from lightning_gaudi_ds.engine.inference import INFERENCE_KEYS
 from tests.procs import JOBS, REPO, run_job
 from tests.test_hpu_wiring import clean_env, gaudi  # noqa: F401  (fixtures)
 
@@ -104,7 +104,10 @@ def test_bad_arguments_get_the_trainer_strategys_error(kwargs: dict[str, Any]) -
 def test_one_signature_for_both_strategies_less_the_inference_engine() -> None:
     import inspect
 
-    assert inspect.signature(HPUDeepSpeedStrategy) == inspect.signature(TrainerStrategy)  # typed and documented once
+    fabric, trainer = inspect.signature(HPUDeepSpeedStrategy).parameters, inspect.signature(TrainerStrategy).parameters
+    trainer_only = {*INFERENCE_KEYS, "resume_data_position"}
+    assert list(fabric) == [name for name in trainer if name not in trainer_only]  # the same arguments, less these
+    assert all(fabric[name] == trainer[name] for name in fabric if name != "accelerator")  # typed alike
     strategy = HPUDeepSpeedStrategy(3, offload_optimizer=True, logging_batch_size_per_gpu=3, number_checkpoints=2)
     assert strategy.zero_stage_3 and strategy.config["train_micro_batch_size_per_gpu"] == 3  # Lightning's, by keyword
     assert strategy.config["activation_checkpointing"]["number_checkpoints"] == 2
@@ -142,7 +145,7 @@ def test_config_autos_only_the_model_can_fill_wait_for_setup() -> None:
     strategy._format_config()  # at setup_environment: no model yet, nothing refused
     assert strategy.config["zero_optimization"]["reduce_bucket_size"] == "auto"
     model = torch.nn.Sequential(torch.nn.Linear(8, 48), torch.nn.Linear(48, 8))
-    resolved = strategy._resolver.resolve_with(strategy, model, "32-true")  # what fabric.setup does
+    resolved = strategy._resolve_config(model, "32-true")  # what fabric.setup does
     assert resolved["zero_optimization"]["reduce_bucket_size"] == 8 * 8  # hidden: the smaller side of the weights
 
 
@@ -210,7 +213,7 @@ def test_setup_environment_hccl_rank_args_and_deepspeed_on_hpu_only_around_its_c
 ) -> None:
     strategy = hpu_fabric().strategy
     seen = {}
-    monkeypatch.setattr(process, "set_deepspeed_accelerator", lambda spec: gaudi.record("ds_accelerator"))
+    monkeypatch.setattr(_compat, "set_deepspeed_accelerator", lambda name: gaudi.record("ds_accelerator"))
     monkeypatch.setattr(strategy, "_init_deepspeed_distributed", lambda: seen.update(
         backend=strategy._get_process_group_backend(), use_hpu=os.environ.get("DEEPSPEED_USE_HPU")))
     monkeypatch.setattr(HPUAccelerator, "setup_device", lambda self, device: gaudi.record("setup_device", device))
@@ -218,7 +221,7 @@ def test_setup_environment_hccl_rank_args_and_deepspeed_on_hpu_only_around_its_c
     assert seen == {"backend": "hccl", "use_hpu": "true"} and "DEEPSPEED_USE_HPU" not in os.environ
     assert dict(gaudi.calls)["initialize_distributed_hpu"] == {"world_size": 2, "rank": 0, "local_rank": 0}
     assert gaudi.names() == ["ds_accelerator", "initialize_distributed_hpu", "setup_device"]
-    assert process.deepspeed_args(strategy.root_device, strategy.local_rank).device_rank == 0
+    assert strategy._deepspeed_args().device_rank == 0
 
 
 def test_all_reduce_mean_on_hccl_is_a_sum_over_the_ranks_on_the_card(

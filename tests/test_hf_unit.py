@@ -256,11 +256,9 @@ def test_load_full_weights_refuses_a_pickled_payload_naming_the_file_and_the_opt
 
 
 def test_from_pretrained_offline_names_the_model_id_and_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
-    import contextlib
-
     import huggingface_hub
 
-    from lightning_gaudi_ds.engine import process
+    from lightning_gaudi_ds import hf
 
     # HF_HUB_OFFLINE=1 as read at import: transformers' adapter lookup ignores local_files_only, and without it asks
     # the hub five times with back-off (23 s) on a machine that cannot reach it
@@ -269,23 +267,21 @@ def test_from_pretrained_offline_names_the_model_id_and_the_fix(monkeypatch: pyt
     with pytest.raises(OSError, match=r"from_pretrained\('no-such-org/no-such-model'\): no folder of that name, and"
                                       r" it is not in the Hugging Face cache while the hub is offline"
                                       r" \(HF_HUB_OFFLINE=1 or local_files_only=True\)\. Pass the path"):
-        with process.zero_init_context(None, contextlib.nullcontext):  # configure_model's, at every stage
+        with hf.loading_errors_named():  # inside configure_model's context, at every stage
             transformers.AutoModelForCausalLM.from_pretrained("no-such-org/no-such-model", local_files_only=True)
 
 
 def test_a_cut_short_safetensors_file_is_named(tmp_path: Path) -> None:
-    import contextlib
-
     from safetensors import SafetensorError
 
-    from lightning_gaudi_ds.engine import process
+    from lightning_gaudi_ds import hf
 
     _tiny_llama(True).save_pretrained(tmp_path / "model")
     file = tmp_path / "model" / "model.safetensors"
     data = file.read_bytes()
     file.write_bytes(data[: len(data) // 2])  # an interrupted download
     with pytest.raises(SafetensorError, match=rf"^{file}: .*incomplete metadata.*cut short or damaged"):
-        with process.zero_init_context(None, contextlib.nullcontext):
+        with hf.loading_errors_named():
             transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model")
 
 

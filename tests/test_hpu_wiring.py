@@ -17,7 +17,7 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
-from lightning_gaudi_ds import HPUAccelerator, HPUDeepSpeedStrategy, hpu
+from lightning_gaudi_ds import HPUAccelerator, HPUDeepSpeedStrategy, _compat, hpu
 from lightning_gaudi_ds.devices import (
     deterministic_change,
     deterministic_state,
@@ -84,7 +84,7 @@ def test_setup_environment_hccl_rank_args_and_gaudi_defaults_only_around_deepspe
     trainer = hpu_trainer()
     strategy = trainer.strategy
     seen = {}
-    monkeypatch.setattr(strategy, "_select_deepspeed_accelerator", lambda spec: gaudi.record("ds_accelerator"))
+    monkeypatch.setattr(_compat, "set_deepspeed_accelerator", lambda name: gaudi.record("ds_accelerator"))
     monkeypatch.setattr(strategy, "_init_deepspeed_distributed", lambda: seen.update(
         backend=strategy._get_process_group_backend(), use_hpu=os.environ.get("DEEPSPEED_USE_HPU")))
     monkeypatch.setattr(HPUAccelerator, "setup_device", lambda self, device: gaudi.record("setup_device", device))
@@ -293,7 +293,7 @@ def test_check_mode_keeps_the_imported_mode_and_refuses_the_other(gaudi):
     assert hpu.check_mode("eager") == "eager"
     with pytest.raises(RuntimeError, match=r"'lazy' was requested.*imported in 'eager'.*PT_HPU_LAZY_MODE=1"):
         hpu.check_mode("lazy")
-    with pytest.raises(ValueError, match="hpu_mode='graph'. is not an HPU execution mode"):
+    with pytest.raises(ValueError, match="hpu_mode=.graph. is not a Gaudi execution mode"):
         hpu.check_mode("graph")
 
 
@@ -404,10 +404,12 @@ class FakeEngine:
 
 
 def build_engine(strategy, monkeypatch) -> FakeEngine:
+    import deepspeed
+
     engine = FakeEngine()
     monkeypatch.setattr(strategy, "_client_optimizer_and_scheduler", lambda: (None, None))
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    monkeypatch.setattr(strategy, "_setup_model_and_optimizer", lambda model, opt, sched: (engine, optimizer))
+    monkeypatch.setattr(deepspeed, "initialize", lambda **kwargs: (engine, optimizer, None, None))
     monkeypatch.setattr(strategy, "_set_deepspeed_activation_checkpointing", lambda: None)
     strategy._initialize_deepspeed_train(Tiny())
     return engine

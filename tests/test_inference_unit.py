@@ -221,7 +221,7 @@ def test_checkpoint_file_and_missing_path(tmp_path):
 import lightning as L  # noqa: E402
 from lightning.pytorch.demos.boring_classes import BoringModel  # noqa: E402
 
-from lightning_gaudi_ds import HPUDeepSpeedStrategy  # noqa: E402
+from lightning_gaudi_ds import HPUDeepSpeedStrategy, TensorParallelStrategy  # noqa: E402
 
 
 def _trainer(strategy: HPUDeepSpeedStrategy, devices: int = 2, precision: str = "32-true") -> L.Trainer:
@@ -238,7 +238,8 @@ def test_strategy_takes_lightning_habanas_arguments_and_config_keys():
     assert from_config._inference == inf.InferenceSettings(tp_size=2, dtype=torch.bfloat16)
     # the inference keys never reach DeepSpeed's training-config validation or the training config
     assert "tensor_parallel" not in from_config.config and "dtype" not in from_config.config
-    assert HPUDeepSpeedStrategy()._inference is None
+    assert not hasattr(HPUDeepSpeedStrategy(), "_inference")  # a training strategy: no engine settings at all
+    assert type(strategy) is type(from_config) is TensorParallelStrategy and isinstance(strategy, HPUDeepSpeedStrategy)
 
 
 def test_strategy_reports_argument_and_config_contradictions():
@@ -325,8 +326,8 @@ def test_enable_cuda_graph_means_hpu_graphs_on_gaudi_in_lazy_mode(clean_env, mon
 
 
 def test_benchmark_summary_ratios_against_tp1():
-    sys.path.insert(0, str(REPO))
-    from benchmarks import tp_inference as bench
+    sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmarks import their siblings by name, as run
+    import tp_inference as bench
 
     def run(arm, procs, bytes_, ms, tps, tokens):
         rank = {"param_bytes": bytes_, "decode_ms_per_token": ms, "tokens_per_s": tps, "prefill_s": 0.1,

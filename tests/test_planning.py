@@ -615,7 +615,7 @@ def _auto_choice(strategy, module: nn.Module) -> str:
     """What the strategy's ``stage="auto"`` picks on rank 0 (StrategyConfig.choose without the broadcast)."""
     from lightning_gaudi_ds.planning import auto
 
-    decision = auto.decide(lambda: strategy._resolver.plan_inputs(strategy, module, "bf16-mixed"), "model")
+    decision = auto.decide(lambda: strategy._resolver.plan_inputs(strategy.config, module, "bf16-mixed", strategy._placement()), "model")
     return decision.choice["label"] if decision.choice else "nothing"
 
 
@@ -659,7 +659,7 @@ def test_plan_and_stage_auto_pick_the_same_configuration_at_every_memory(model, 
     from lightning_gaudi_ds.planning.inputs import plan_rows
 
     strategy = _auto_strategy(64 * 2**30)
-    assert json.loads(json.dumps(plan_rows(strategy._resolver.plan_inputs(strategy, module, "bf16-mixed")))) == rows
+    assert json.loads(json.dumps(plan_rows(strategy._resolver.plan_inputs(strategy.config, module, "bf16-mixed", strategy._placement())))) == rows
 
 
 @pytest.mark.parametrize("arguments", [{}, {"reduce_scatter": False}, {"config": "auto"}])
@@ -678,11 +678,11 @@ def test_stage_auto_plans_with_the_buckets_and_optimizer_the_strategy_trains_wit
         arguments = {"config": str(path)}
     module = _lightning(IssueMLP())
     strategy = _auto_strategy(80 * 10**6, **arguments)
-    inputs = strategy._resolver.plan_inputs(strategy, module, "bf16-mixed")
+    inputs = strategy._resolver.plan_inputs(strategy.config, module, "bf16-mixed", strategy._placement())
     decision = auto.decide(lambda: inputs, "IssueMLP")
     assert decision.choice is not None and decision.choice["stage"] in (1, 2)
     auto.adopt(decision, strategy.config)
-    zero = strategy._resolver.resolve_with(strategy, module, "bf16-mixed", fitting=False)["zero_optimization"]
+    zero = strategy._resolve_config(module, "bf16-mixed", fitting=False)["zero_optimization"]
     assert zero["stage"] == decision.choice["stage"]
     assert inputs.buckets.overlap_comm is zero["overlap_comm"] is False  # no streams on CPU: one reduce bucket
     assert inputs.buckets.reduce_bucket_size == zero["reduce_bucket_size"] == 2048**2
@@ -733,7 +733,7 @@ def test_stage_auto_in_a_real_trainer_picks_what_plan_says_at_a_boundary(tmp_pat
 def test_adam_temporaries_are_left_out_only_where_the_engine_fuses_it():
     """The planner asks the engine's own rule (fuses_adam): a torch Adam/AdamW on the CPU device; not on CUDA or HPU,
     not SGD."""
-    from lightning_gaudi_ds.engine.train import fuses_adam
+    from lightning_gaudi_ds.devices import fuses_adam
     from lightning_gaudi_ds.planning import PlanInputs, plan_rows
 
     assert [fuses_adam(d, "adamw") for d in ("cpu", "cuda", "hpu")] == [True, False, False]

@@ -122,8 +122,9 @@ def apply(trainer: Any, loaders: list[Any]) -> tuple[int, bool]:
     """Skip, in each train loader of a fit resumed mid-epoch, the batches its checkpoint consumed; warn (rank 0,
     once per loader) where that cannot be done. Returns how many loaders skip, and whether every one resumes
     exactly (or none needed to)."""
-    from lightning.fabric.utilities.types import _Stateful
     from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+    from lightning_gaudi_ds._compat import _Stateful
 
     batches = consumed_batches(trainer)
     skipping, exact = 0, True

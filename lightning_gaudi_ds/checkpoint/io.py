@@ -31,6 +31,7 @@ from lightning_gaudi_ds.errors import (  # noqa: F401  (importable from here too
     CheckpointError,
     CheckpointNotFoundError,
     IncompleteCheckpointError,
+    InvalidArgumentError,
     NotACheckpointError,
     UnsafeCheckpointError,
 )
@@ -177,7 +178,7 @@ def _read_model_states_meta(tag_dir: Path, weights_only: bool | None = None,
     """(zero stage, data-parallel world size, model-parallel world size) from a model-states file."""
     candidates = sorted(tag_dir.glob("*model_states.pt"))
     if not candidates:
-        raise FileNotFoundError(f"no *_model_states.pt file in {tag_dir}")
+        raise CheckpointNotFoundError(f"no *_model_states.pt file in {tag_dir}")
     try:
         state = load_file(candidates[0], weights_only, opt_in, mmap=True)
     except UnsafeCheckpointError:
@@ -359,7 +360,7 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
     try:
         manifest = json.loads(file.read_text())
         if manifest.get("format") != _FORMAT:
-            raise ValueError(f"unknown format {manifest.get('format')!r}")
+            raise InvalidArgumentError(f"unknown format {manifest.get('format')!r}")
         return manifest
     except ValueError as err:
         raise IncompleteCheckpointError(f"Checkpoint {path}: its manifest {MANIFEST} is unreadable ({err}).") from err

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,21 +64,20 @@ def newest_complete(candidates: Iterable[str]) -> tuple[str | None, list[str]]:
     return (max(complete)[1] if complete else None), skipped
 
 
-def hook_trainer(strategy: Any, trainer: Any) -> None:
+def hook_trainer(trainer: Any, *, data_position: bool) -> None:
     """In the strategy's ``connect``: ``Trainer._run`` connects before it restores from the path it made of
     ``ckpt_path``, the moment to have ``trainer`` resolve "last" (and a restart's default) with
-    :func:`resolve_ckpt_path`, and (``resume_data_position``) to skip the batches a mid-epoch checkpoint consumed
-    (:mod:`~lightning_gaudi_ds.checkpoint.data_position`). Only a Trainer whose strategy is ``strategy``."""
+    :func:`resolve_ckpt_path`, and (``data_position``: the strategy's ``resume_data_position``) to skip the batches a
+    mid-epoch checkpoint consumed (:mod:`~lightning_gaudi_ds.checkpoint.data_position`)."""
     import functools
 
     from lightning_gaudi_ds._compat import hook_resume_path
 
-    if trainer is not None and trainer.strategy is strategy:
-        hook_resume_path(trainer, functools.partial(resolve_ckpt_path, trainer))
-        if getattr(strategy, "resume_data_position", False):
-            from lightning_gaudi_ds.checkpoint import data_position
+    hook_resume_path(trainer, functools.partial(resolve_ckpt_path, trainer))
+    if data_position:
+        from lightning_gaudi_ds.checkpoint import data_position as position
 
-            data_position.hook(trainer)
+        position.hook(trainer)
 
 
 def resolve_ckpt_path(trainer: Any, checkpoint_path: Any) -> Any:
@@ -162,7 +162,7 @@ def _complete(path: Path) -> bool:
     return True
 
 
-def save_on_preemption(strategy: Any, trainer: Any) -> str | None:
+def save_on_preemption(trainer: Any, *, has_engine: bool) -> str | None:
     """After SIGTERM: save ``last.ckpt`` of the first ``ModelCheckpoint`` and make the exit code ``PREEMPTED_EXIT``.
 
     Lightning notes SIGTERM (``trainer.received_sigterm``, rank 0's flag broadcast to every rank at the next batch)
@@ -182,7 +182,7 @@ def save_on_preemption(strategy: Any, trainer: Any) -> str | None:
 
     exc = sys.exc_info()[1]
     if (not isinstance(exc, SIGTERMException) or trainer is None or trainer.state.fn != TrainerFn.FITTING
-            or getattr(strategy, "deepspeed_engine", None) is None):
+            or not has_engine):
         return None
     callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
     if not callbacks:
@@ -194,6 +194,17 @@ def save_on_preemption(strategy: Any, trainer: Any) -> str | None:
     rank_zero_info(f"SIGTERM: saved {path} at step {trainer.global_step}; exiting with {PREEMPTED_EXIT} (preempted).")
     exc.code = PREEMPTED_EXIT
     return path
+
+
+@dataclass(frozen=True)
+class RankFacts:
+    """What :class:`PreemptionWatch` needs to know of this rank: the world, its ranks, and the launcher that started
+    the ranks (None: another launcher)."""
+
+    world_size: int
+    global_rank: int
+    local_rank: int
+    launcher: Any
 
 
 class PreemptionWatch:
@@ -212,7 +223,7 @@ class PreemptionWatch:
     def __init__(self) -> None:
         self.seen = False
 
-    def install(self, strategy: Any, trainer: Any) -> None:
+    def install(self, trainer: Any, rank: RankFacts) -> None:
         import signal
         import threading
 
@@ -226,8 +237,8 @@ class PreemptionWatch:
         self.seen = False
         users = _compat.handler_before_lightning(trainer, signal.SIGTERM)  # Lightning calls it too
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and \
-            strategy.world_size > 1
-        zero = strategy.global_rank == 0
+            rank.world_size > 1
+        zero = rank.global_rank == 0
 
         def note(signum: int, frame: Any) -> None:
             if not self.seen:
@@ -235,8 +246,8 @@ class PreemptionWatch:
 
                 when = "saving a checkpoint after this step" if zero else "stopping with global rank 0"
                 logging.getLogger(__name__).info(rank_prefixed_message(f"Received SIGTERM: {signum}; {when}",
-                                                                       strategy.local_rank))
-                launcher = strategy.launcher
+                                                                       rank.local_rank))
+                launcher = rank.launcher
                 if launcher is not None:  # Lightning's own launcher: its other ranks get it too, as Lightning does
                     launcher.kill(signum)
             self.seen = True

@@ -7,12 +7,36 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from lightning_gaudi_ds.precisions import ZERO_DEFAULT_KEYS
+from lightning_gaudi_ds.precisions import AUTO, ZERO, ZERO_DEFAULT_KEYS
 
-AUTO = "auto"
+__all__ = [
+    "AUTO",
+    "AUTO_KEYS",
+    "BUCKET_KEYS",
+    "CONFIG_FILENAME",
+    "DEVICE_TUNED_KEYS",
+    "MAX_PROBLEMS",
+    "MISSING",
+    "OFFLOAD_SECTIONS",
+    "OPTIMIZER_AUTO_KEYS",
+    "SCHEDULER_AUTO_KEYS",
+    "STRATEGY_ARG_KEYS",
+    "TRAINER_KEYS",
+    "ZERO",
+    "fmt",
+    "get",
+    "leaves",
+    "offloads_optimizer",
+    "offloads_parameters",
+    "report",
+    "same",
+    "set_key",
+    "short",
+    "without_disabled_offload",
+]
+
 CONFIG_FILENAME = "deepspeed_config.json"
 
-ZERO = "zero_optimization"
 BUCKET_KEYS = (
     f"{ZERO}.reduce_bucket_size",
     f"{ZERO}.allgather_bucket_size",

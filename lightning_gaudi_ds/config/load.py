@@ -36,7 +36,11 @@ from lightning_gaudi_ds.config.keys import (
     short,
     without_disabled_offload,
 )
-from lightning_gaudi_ds.errors import ConfigError, ConfigNotFoundError  # noqa: F401  (importable from here too)
+from lightning_gaudi_ds.errors import (  # noqa: F401  (importable from here too)
+    ConfigError,
+    ConfigNotFoundError,
+    InvalidArgumentError,
+)
 
 ENV_VAR = "PL_DEEPSPEED_CONFIG_PATH"
 
@@ -116,8 +120,8 @@ def _quoted(text: str, limit: int = 200) -> str:
     return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
 
 
-class _DuplicateKey(Exception):
-    pass
+class _DuplicateKey(InvalidArgumentError):
+    """A key twice in one JSON object (turned into a ConfigError naming the file and the key)."""
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -2,20 +2,19 @@
 resolved again whenever the facts it depends on change (a new Trainer, a fit after validate, ZeRO-3's second pass
 once ``configure_model`` has built the parameters).
 
-:class:`StrategyConfig` owns that state machine; the strategy holds one and calls it from Lightning's hooks. It reads
-the facts from the strategy (its Trainer, module, precision plugin, devices), never the other way round.
+:class:`StrategyConfig` owns that state machine; the strategy holds one and calls it from Lightning's hooks with the
+facts as values (:class:`Placement`, :class:`LossScale`, the Trainer's facts): it never reads the strategy.
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_gaudi_ds._compat import _format_precision_config, attached_trainer, train_dataloaders
+from lightning_gaudi_ds._compat import _format_precision_config
 from lightning_gaudi_ds.config.load import check_activation_checkpointing
 from lightning_gaudi_ds.config.resolve import (
     AutoContext,
@@ -24,19 +23,42 @@ from lightning_gaudi_ds.config.resolve import (
     explicit_arguments,
     publish_resolved,
 )
-from lightning_gaudi_ds.config.sizing import hidden_size, mark_model_buckets, shared_batch_size
+from lightning_gaudi_ds.config.sizing import hidden_size, mark_model_buckets
 from lightning_gaudi_ds.config.validate import check_argument_config, check_arguments, check_offload
 from lightning_gaudi_ds.devices import device_spec
 from lightning_gaudi_ds.errors import ConfigError
 from lightning_gaudi_ds.planning import auto
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
-    from lightning.pytorch.strategies import DeepSpeedStrategy
+    import torch
     from torch.nn import Module
 
+    from lightning_gaudi_ds.checkpoint.io import RankZeroComm
+    from lightning_gaudi_ds.core.options import Options
     from lightning_gaudi_ds.planning.auto import AutoStage
     from lightning_gaudi_ds.planning.inputs import PlanInputs
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the strategy runs, as the config's resolution needs it: its root device (None before the Trainer or
+    Fabric chose one), the processes in all, per node, and the nodes."""
+
+    device: torch.device | None
+    world_size: int
+    devices: int
+    nodes: int
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """Lightning's loss-scale arguments, for the fp16 block Lightning builds where a config has none."""
+
+    loss_scale: float
+    loss_scale_window: int
+    min_loss_scale: int
+    initial_scale_power: int
+    hysteresis: int
 
 
 class StrategyConfig(ConfigResolver):
@@ -51,30 +73,27 @@ class StrategyConfig(ConfigResolver):
         super().__init__(explicit_args)
         self.auto = auto_stage
         self.chosen: dict[str, Any] | None = None  # stage="auto": what setup chose
-        # What the last resolution was made for: the Trainer (weakly: an id is reused after garbage collection),
-        # its TrainerFn and whether the module had parameters yet.
-        self._for: tuple[weakref.ref[pl.Trainer] | None, Any, bool] | None = None
+        self._for: Hashable | None = None  # what the last resolution was made for (see ensure_resolved)
 
     @classmethod
     def from_arguments(
-        cls, strategy_cls: type, arguments: Mapping[str, Any], *, hpu_mode: Any, torch_compile: Any,
-        measure_activations: Any, number_checkpoints: Any, device_memory: Any,
+        cls, strategy_cls: type, arguments: Mapping[str, Any], options: Options
     ) -> tuple[StrategyConfig, Any]:
         """A strategy's arguments checked (:func:`~lightning_gaudi_ds.config.validate.check_arguments`), and its
         config state; returns it and the ``stage`` to hand to Lightning's ``__init__`` (2, a placeholder until
         setup, for ``stage="auto"``: Lightning builds its default config with it).
 
         ``arguments``: those named like Lightning's ``DeepSpeedStrategy`` arguments (``stage``, ``config``,
-        offload, ``remote_device``, ...), the rest by keyword.
+        offload, ``remote_device``, ...), the rest by keyword; ``options``: the package's own.
         """
         stage = arguments["stage"]
         auto_stage = check_arguments(
-            stage=stage, hpu_mode=hpu_mode, torch_compile=torch_compile,
+            stage=stage, hpu_mode=options.hpu_mode, torch_compile=options.torch_compile,
             offload_optimizer=arguments["offload_optimizer"], offload_parameters=arguments["offload_parameters"],
-            measure_activations=measure_activations, number_checkpoints=number_checkpoints,
-            remote_device=arguments["remote_device"], device_memory=device_memory, config=arguments["config"],
+            measure_activations=options.measure_activations, number_checkpoints=options.number_checkpoints,
+            remote_device=arguments["remote_device"], device_memory=options.device_memory, config=arguments["config"],
         )
-        explicit = explicit_arguments(strategy_cls, {**arguments, "number_checkpoints": number_checkpoints})
+        explicit = explicit_arguments(strategy_cls, {**arguments, "number_checkpoints": options.number_checkpoints})
         if auto_stage is not None:
             stage = 2
             explicit.pop("stage")
@@ -101,12 +120,12 @@ class StrategyConfig(ConfigResolver):
             )
         return int(stage)
 
-    def publish(self, trainer: pl.Trainer, *, rank_zero: bool) -> None:
+    def publish(self, log_dir: str, *, rank_zero: bool) -> None:
         """At the start of training (not earlier: a file in the logger's directory before it makes CSVLogger warn
-        that the directory is not empty), the last fit's resolved config logged and written beside the logs."""
+        that the directory is not empty), the last fit's resolved config logged and written into ``log_dir``."""
         pending = self.take_unpublished()
         if pending is not None:
-            publish_resolved(*pending, trainer.log_dir or trainer.default_root_dir, rank_zero=rank_zero)
+            publish_resolved(*pending, log_dir, rank_zero=rank_zero)
 
     def adopt(self, config: dict[str, Any], *, user_config: bool, offload_parameters: bool) -> None:
         """After Lightning's ``__init__`` built or loaded ``config``: check it, and mark ``stage="auto"`` pending."""
@@ -119,93 +138,68 @@ class StrategyConfig(ConfigResolver):
     def check_activation_checkpointing(self, config: Mapping[str, Any]) -> None:
         check_activation_checkpointing(config, self.source or "built from HPUDeepSpeedStrategy's arguments")
 
-    def ensure_resolved(self, strategy: DeepSpeedStrategy) -> dict[str, Any]:
-        """``strategy.config``, with ``stage="auto"`` chosen and every ``"auto"`` filled for the Trainer attached now.
+    def ensure_resolved(
+        self, config: dict[str, Any], made_for: Hashable, resolve: Callable[[], dict[str, Any]]
+    ) -> dict[str, Any]:
+        """``config`` as it is when the last resolution was ``made_for`` the same facts (the Trainer, its TrainerFn,
+        whether the module has parameters yet), else ``resolve()``'s.
 
-        Lightning formats once; this resolves again when a fit follows validate/test/predict or comes from a new
-        Trainer, and when ZeRO-3's ``model_sharded_context`` resolved before ``configure_model`` built any parameter
-        (bucket sizes come from the model).
+        Lightning formats once; the Trainer strategy resolves again when a fit follows validate/test/predict or
+        comes from a new Trainer, and when ZeRO-3's ``model_sharded_context`` resolved before ``configure_model``
+        built any parameter (bucket sizes come from the model).
         """
-        self.choose(strategy)
-        module = strategy.lightning_module
-        trainer = attached_trainer(module)
-        has_params = module is not None and any(True for _ in module.parameters())
-        fn = trainer.state.fn if trainer is not None else None
-        if self._for is not None:
-            ref, last_fn, last_params = self._for
-            last_trainer = ref() if ref is not None else None
-            if (last_trainer is trainer and (ref is None) == (trainer is None) and last_fn == fn
-                    and last_params == has_params):
-                assert isinstance(strategy.config, dict)
-                return strategy.config
-        config = self.resolve_for(strategy)
-        self._for = (weakref.ref(trainer) if trainer is not None else None, fn, has_params)
-        return config
+        if self._for is not None and self._for == made_for:
+            return config
+        resolved = resolve()
+        self._for = made_for
+        return resolved
 
-    def resolve_for(self, strategy: DeepSpeedStrategy) -> dict[str, Any]:
-        """The unresolved config with every ``"auto"`` filled from the strategy's Trainer, module and devices."""
-        module = strategy.lightning_module
-        trainer = attached_trainer(module)
-        fit = trainer if trainer is not None and trainer.state.fn == TrainerFn.FITTING else None
-        total = None
-        if fit is not None and "scheduler" in (strategy.config or {}):
-            steps = fit.estimated_stepping_batches
-            total = int(steps) if steps != float("inf") else None
-        return self.resolve_with(
-            strategy, module, strategy.precision_plugin.precision,
-            accumulate_grad_batches=trainer.accumulate_grad_batches if trainer is not None else 1,
-            micro_batch_size=shared_batch_size(train_dataloaders(fit)) if fit is not None else None,
-            gradient_clip_val=trainer.gradient_clip_val if trainer is not None else None,
-            hparams=dict(getattr(module, "hparams", None) or {}),
-            total_steps=total,
-            fitting=fit is not None,
-        )
-
-    def resolve_with(self, strategy: Any, module: Module | None, precision: str, **facts: Any) -> dict[str, Any]:
-        """The unresolved config of ``strategy`` (Lightning's or Fabric's ``DeepSpeedStrategy``) with every
-        ``"auto"`` filled from ``module``, ``precision``, the strategy's devices and ``facts`` (the
-        :class:`AutoContext` fields a Trainer knows: batch sizes, accumulation, clipping, steps, hparams)."""
-        assert isinstance(strategy.config, dict)
+    def resolve_with(
+        self, config: dict[str, Any], module: Module | None, precision: str, placement: Placement,
+        loss_scale: LossScale, **facts: Any,
+    ) -> dict[str, Any]:
+        """The unresolved ``config`` with every ``"auto"`` filled from ``module``, ``precision``, the
+        ``placement`` and ``facts`` (the :class:`AutoContext` fields a Trainer knows: batch sizes, accumulation,
+        clipping, steps, hparams)."""
         hidden = hidden_size(module) if module is not None else None
-        config = self.start(strategy.config, hidden)
+        config = self.start(config, hidden)
         _format_precision_config(  # Lightning's fp16 block (loss-scale arguments) where the config has none
-            config, precision, strategy.loss_scale, strategy.loss_scale_window, strategy.min_loss_scale,
-            strategy.initial_scale_power, strategy.hysteresis,
+            config, precision, loss_scale.loss_scale, loss_scale.loss_scale_window, loss_scale.min_loss_scale,
+            loss_scale.initial_scale_power, loss_scale.hysteresis,
         )
-        spec = device_spec(strategy.root_device) if strategy.parallel_devices else None
+        spec = device_spec(placement.device) if placement.device is not None else None
         return self.resolve(config, AutoContext(
-            world_size=strategy.world_size, precision=precision, hidden_size=hidden,
+            world_size=placement.world_size, precision=precision, hidden_size=hidden,
             device_type=spec.device_type if spec is not None else None,
             zero_defaults=spec.zero_defaults if spec is not None else {}, **facts,
         ))
 
-    def choose(self, strategy: Any, module: Module | None = None, precision: str | None = None) -> None:
-        """stage='auto': plan for the real model and devices, agree on rank 0's choice, write it into the config.
+    def choose(
+        self, config: dict[str, Any], module: Module | None, precision: str, placement: Placement, comm: RankZeroComm
+    ) -> None:
+        """stage='auto': plan for the real model and devices, agree on rank 0's choice (``comm``), write it into
+        ``config``.
 
         Runs before the config's first resolution: in ZeRO-3's ``model_sharded_context`` before ``configure_model``
         (the parameters are counted on a meta-device copy), else at ``setup``; under Fabric when the model is set
-        up (``module`` and ``precision``: default, the Trainer's).
+        up.
         """
-        config = strategy.config
-        module = module if module is not None else getattr(strategy, "lightning_module", None)
         if self.auto is None or not auto.pending(config) or module is None:
             return
-        assert isinstance(config, dict)
-        chosen_precision = precision or strategy.precision_plugin.precision
         decision = auto.decide(
-            lambda: self.plan_inputs(strategy, module, chosen_precision), type(module).__name__
-        ) if strategy.is_global_zero else auto.Decision()
-        decision = strategy.broadcast(decision, src=0) if strategy.world_size > 1 else decision
+            lambda: self.plan_inputs(config, module, precision, placement), type(module).__name__
+        ) if comm.is_global_zero else auto.Decision()
+        decision = comm.broadcast(decision, src=0) if placement.world_size > 1 else decision
         self.chosen = auto.adopt(decision, config)
 
-    def plan_inputs(self, strategy: Any, module: Module, precision: str) -> PlanInputs:
-        """What ``stage="auto"`` plans ``module`` with on ``strategy``'s devices (:func:`auto.inputs_for_module`):
-        the config's bucket and communication settings as its resolution will start from them."""
-        assert self.auto is not None and strategy.parallel_devices is not None and isinstance(strategy.config, dict)
+    def plan_inputs(self, config: dict[str, Any], module: Module, precision: str, placement: Placement) -> PlanInputs:
+        """What ``stage="auto"`` plans ``module`` with on the ``placement``'s devices
+        (:func:`auto.inputs_for_module`): the config's bucket and communication settings as its resolution will
+        start from them."""
+        assert self.auto is not None and placement.device is not None
         return auto.inputs_for_module(
-            module, self.auto, device=strategy.root_device, devices=len(strategy.parallel_devices),
-            nodes=strategy.num_nodes, precision=precision,
-            zero_config=self.as_resolved(strategy.config).get("zero_optimization"),
+            module, self.auto, device=placement.device, devices=placement.devices, nodes=placement.nodes,
+            precision=precision, zero_config=self.as_resolved(config).get("zero_optimization"),
         )
 
     def as_resolved(self, config: dict[str, Any]) -> dict[str, Any]:

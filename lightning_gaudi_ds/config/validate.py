@@ -120,9 +120,7 @@ def check_arguments(
 ) -> AutoStage | None:
     """``HPUDeepSpeedStrategy``'s own arguments, refused in its ``__init__`` before anything is built; returns
     ``stage="auto"``'s arguments (None for a fixed stage)."""
-    if hpu_mode not in (None, *hpu.MODES):
-        raise ConfigError(f"`HPUDeepSpeedStrategy(hpu_mode={hpu_mode!r})` is not a Gaudi execution mode. Use"
-                          " 'eager' (with torch.compile, Habana's default) or 'lazy' (the legacy mark_step mode).")
+    hpu.check_mode_name(hpu_mode, "`HPUDeepSpeedStrategy(hpu_mode={})`", ConfigError)
     if torch_compile not in (None, True, False):
         raise ConfigError(f"`HPUDeepSpeedStrategy(torch_compile={torch_compile!r})`: pass True, False or None"
                           " (None: on for HPUs in eager mode, off elsewhere).")

@@ -167,10 +167,10 @@ def hccl_reduce(
     return reduce(tensor, group, "sum") / size
 
 
-def reduce_on_device(reduce: Callable[[Tensor | Any, Any, ReduceOpArg], Tensor], strategy: Any, tensor: Tensor | Any,
-                     group: Any | None, reduce_op: ReduceOpArg) -> Tensor:
-    """The strategy's ``reduce`` (Trainer) or ``all_reduce`` (Fabric): :func:`hccl_reduce` for a tensor on hccl,
-    else ``reduce`` as it is."""
-    if strategy._get_process_group_backend() != "hccl" or not isinstance(tensor, Tensor):
+def reduce_on_device(reduce: Callable[[Tensor | Any, Any, ReduceOpArg], Tensor], backend: str, device: torch.device,
+                     world_size: int, tensor: Tensor | Any, group: Any | None, reduce_op: ReduceOpArg) -> Tensor:
+    """A strategy's ``reduce`` (Trainer) or ``all_reduce`` (Fabric) on its process group's ``backend``:
+    :func:`hccl_reduce` for a tensor on hccl, else ``reduce`` as it is."""
+    if backend != "hccl" or not isinstance(tensor, Tensor):
         return reduce(tensor, group, reduce_op)
-    return hccl_reduce(reduce, tensor, group, reduce_op, strategy.root_device, strategy.world_size)
+    return hccl_reduce(reduce, tensor, group, reduce_op, device, world_size)

@@ -37,7 +37,6 @@ from lightning_gaudi_ds._compat import (
 )
 from lightning_gaudi_ds.checkpoint import io as ckpt_io
 from lightning_gaudi_ds.checkpoint.read import read_full_checkpoint
-from lightning_gaudi_ds.devices import device_spec
 from lightning_gaudi_ds.errors import CheckpointNotFoundError, ConfigError
 from lightning_gaudi_ds.precisions import PRECISION_DTYPES
 
@@ -89,6 +88,17 @@ def split_config(config: Mapping[str, Any] | None) -> tuple[dict[str, Any] | Non
         return None, {}
     rest = {k: v for k, v in config.items() if k not in INFERENCE_KEYS}
     return rest, {k: config[k] for k in INFERENCE_KEYS if k in config}
+
+
+def serving_requested(arguments: Mapping[str, Any]) -> bool:
+    """Whether a strategy's keyword ``arguments`` configure DeepSpeed's inference engine: one of its arguments given,
+    or one of its keys in the DeepSpeed config (``config``, else ``PL_DEEPSPEED_CONFIG_PATH``)."""
+    if any(arguments.get(key) is not None for key in INFERENCE_KEYS):
+        return True
+    from lightning_gaudi_ds.config import load_config
+
+    config = load_config(arguments.get("config"))[0]
+    return config is not None and any(key in config for key in INFERENCE_KEYS)
 
 
 def settings_from(args: Mapping[str, Any], config_part: Mapping[str, Any]) -> InferenceSettings | None:
@@ -467,17 +477,6 @@ def init_engine(
 
         engine.module = hpu.wrap_in_hpu_graph(engine.module)
     return engine
-
-
-def initialize(strategy: Any, model: Module, settings: InferenceSettings | None, dtype: torch.dtype | None) -> Any:
-    """The Trainer strategy's evaluation engine for ``model``: DeepSpeed's inference engine (``settings``, the
-    ``tensor_parallel=...`` arguments) or, without them, Lightning's ZeRO engine with the device rank for CPU/HPU."""
-    if settings is not None:
-        assert dtype is not None
-        return init_engine(model, settings, dtype, device_spec(strategy.root_device).device_type, strategy.world_size)
-    assert isinstance(strategy.config, dict)
-    strategy._mark_leaf_modules(model)
-    return init_zero_engine(model, strategy.config, strategy._deepspeed_args(), zero_stage_3=strategy.zero_stage_3)
 
 
 def init_zero_engine(model: Module, config: Mapping[str, Any], args: Any, *, zero_stage_3: bool) -> Any:

@@ -8,7 +8,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from lightning_gaudi_ds.engine import checkpointing
 from lightning_gaudi_ds.engine.device import DeviceRuntime
@@ -43,16 +43,23 @@ def step(
         checkpointing.reset_after_forward(evaluation_config)
 
 
+class EngineCaller(Protocol):
+    """What :func:`engine_call` reads of the strategy whose method it makes."""
+
+    _runtime: DeviceRuntime
+    config: Any
+
+
 def engine_call(
     method: Callable[Concatenate[Any, _P], _R], *, graph_break: bool = True, evaluation: bool = False
-) -> Callable[Concatenate[Any, _P], _R]:
+) -> Callable[Concatenate[EngineCaller, _P], _R]:
     """A strategy method that runs the base class's ``method`` (``DeepSpeedStrategy.backward``: looked up as
     ``super()`` would, on each call) inside :func:`step` with the strategy's ``_runtime``; ``evaluation``: under the
     strategy's ``config`` (validation, test, predict)."""
     name = method.__name__
 
     @functools.wraps(method)
-    def call(strategy: Any, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    def call(strategy: EngineCaller, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         owner = next(cls for cls in type(strategy).__mro__ if cls.__dict__.get(name) is call)
         with step(strategy._runtime, graph_break=graph_break,
                   evaluation_config=strategy.config if evaluation else None):

@@ -11,7 +11,6 @@ torch steps with torch's fused kernel (:func:`fuse_on_cpu`).
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +26,8 @@ from lightning_gaudi_ds._compat import (
     mark_step_wrapped_for_lr_scheduler,
 )
 from lightning_gaudi_ds.config import ConfigError, offloads_optimizer
+from lightning_gaudi_ds.devices import fuses_adam
+from lightning_gaudi_ds.errors import ArgumentTypeError
 from lightning_gaudi_ds.jit_ops.locks import op_cache
 
 if TYPE_CHECKING:
@@ -79,7 +80,8 @@ def to_cpu_adam(optimizer: Optimizer, scheduler: Any | None = None) -> DeepSpeed
     weight decay) becomes ``adamw_mode=True``, ``torch.optim.Adam`` (L2 penalty) ``adamw_mode=False``.
     """
     if not is_convertible(optimizer):
-        raise TypeError(f"{type(optimizer).__qualname__} cannot be converted; only {[c.__name__ for c in CONVERTIBLE]}")
+        raise ArgumentTypeError(f"{type(optimizer).__qualname__} cannot be converted; only"
+                                f" {[c.__name__ for c in CONVERTIBLE]}")
     unsupported = sorted({k for g in optimizer.param_groups for k in ("amsgrad", "maximize") if g.get(k)})
     if unsupported:
         raise ConfigError(
@@ -115,31 +117,6 @@ FUSED_ON_CPU = (
     " the per-tensor loop torch picks on CPU takes 5.8x as long (12.6M parameters: 15.5 vs 90.6 ms on one core);"
     " same update rule. Pass fused=False (or foreach=...) to keep torch's choice"
 )
-
-
-def fuses_adam(device_type: str | None, optimizer: Optimizer | str) -> bool:
-    """Whether the strategy steps ``optimizer`` with torch's fused kernel (:func:`fuse_on_cpu`): a torch
-    ``Adam``/``AdamW`` on the CPU device that left ``fused`` and ``foreach`` to torch. A name (``"adamw"``) stands
-    for that torch optimizer with its defaults (the memory planner's assumption before ``configure_optimizers``
-    runs)."""
-    if device_type != "cpu":
-        return False
-    try:
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-    except ImportError:  # a torch without the fused-kernel table: leave torch's choice
-        return False
-    if "cpu" not in _get_fused_kernels_supported_devices():
-        return False
-    if isinstance(optimizer, str):
-        return optimizer.lower() in ("adam", "adamw")
-    if not is_convertible(optimizer):
-        return False
-    groups = optimizer.param_groups
-    if any(g.get("fused") is not None or g.get("foreach") is not None or g.get("differentiable")
-           or g.get("capturable") for g in groups):
-        return False
-    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-    return all(p.dtype in dtypes for g in groups for p in g["params"])
 
 
 def fuse_on_cpu(optimizer: Optimizer | None, device_type: str | None) -> str | None:
@@ -292,37 +269,6 @@ def eval_mode_warning(module: torch.nn.Module) -> str | None:
         f" invalid for module in evaluation mode\"), and {len(names)} submodule(s) are in eval mode: {shown}. If"
         " gradients flow through them, keep them in train mode (freeze them with requires_grad_(False) instead)."
     )
-
-
-def client_optimizer_and_scheduler(strategy: Any) -> tuple[Optimizer | None, LRSchedulerConfig | None]:
-    """What the strategy's ``_init_optimizers`` returned, through :func:`optimizer_sources`."""
-    assert isinstance(strategy.config, dict)
-    with warnings.catch_warnings():  # None: the config's optimizer is used, or optimizer_sources says what to do
-        warnings.filterwarnings("ignore", message=".*configure_optimizers` returned `None`")
-        optimizer, scheduler_config = strategy._init_optimizers()
-    return optimizer_sources(strategy.config, optimizer, scheduler_config, strategy.device_spec.device_type,
-                             strategy._resolver.add_filled)
-
-
-def initialize_engine(strategy: Any, model: torch.nn.Module) -> None:
-    """The Trainer strategy's ``_initialize_deepspeed_train``: a copy of Lightning 2.6.6's (hash-guarded in
-    :mod:`lightning_gaudi_ds._compat`), with the optimizer and the scheduler chosen as Lightning chooses them, and a
-    warning where the config and ``configure_optimizers`` both give one (:func:`optimizer_sources`); the engine is
-    compiled afterwards if asked."""
-    optimizer, scheduler_config = strategy._client_optimizer_and_scheduler()
-    scheduler = scheduler_config.scheduler if scheduler_config is not None else None
-    engine, ds_optimizer = strategy._setup_model_and_optimizer(model, optimizer, scheduler)
-    strategy._set_deepspeed_activation_checkpointing()
-    strategy.optimizers = [ds_optimizer]
-    if engine.lr_scheduler is not None:
-        ds_scheduler, engine.lr_scheduler = engine.lr_scheduler, None  # Lightning steps the scheduler
-        if scheduler_config is None:
-            scheduler_config = LRSchedulerConfig(ds_scheduler, interval="step")
-        else:
-            scheduler_config.scheduler = ds_scheduler
-        strategy.lr_scheduler_configs = [scheduler_config]
-    strategy.model = engine
-    strategy._runtime.compile_engine(engine)
 
 
 def warn_at_train_start(module: torch.nn.Module | None, zero_stage_3: bool) -> None:

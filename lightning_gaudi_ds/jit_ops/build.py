@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_gaudi_ds import _compat
+from lightning_gaudi_ds.errors import SetupError
 from lightning_gaudi_ds.jit_ops.locks import (
     build_dir,
     clear_stale_lock,
@@ -130,7 +131,7 @@ def load_op(name: str, builder: Any, say: Callable[[str], None] = say) -> Any:
         finally:
             watch.stop.set()
             watch.join()
-    raise AssertionError("unreachable")
+    raise SetupError(f"building {name}: every attempt ended without an error or a result")  # not reached
 
 
 def compiler_missing() -> str | None:

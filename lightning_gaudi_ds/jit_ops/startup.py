@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lightning_gaudi_ds import _compat
+from lightning_gaudi_ds.errors import SetupError
 from lightning_gaudi_ds.jit_ops.build import (
     BUILD_COMMAND,
     CPU_ADAM,
@@ -109,7 +110,7 @@ def prepare_startup(
             except BuildLockError:
                 raise
             except Exception as err:  # re-raised, with the way out (a compiler, or no offload)
-                raise RuntimeError(
+                raise SetupError(
                     f"ZeRO-Offload needs DeepSpeed's {CPU_ADAM} op, which could not be built: {short_error(err)}."
                     f" Install a C++ compiler and ninja, then run `{BUILD_COMMAND}`; or train without offload"
                     " (offload_optimizer=False)."

@@ -22,6 +22,7 @@ from lightning.fabric.plugins.environments import (
 from typing_extensions import override
 
 from lightning_gaudi_ds._compat import DEEPSPEED_LAUNCHER_ENV, DEEPSPEED_NODE_RANK_ENV
+from lightning_gaudi_ds.errors import LaunchError, SetupError
 from lightning_gaudi_ds.launch import envvars
 from lightning_gaudi_ds.launch._proc import MPI_SIZE_KEYS
 from lightning_gaudi_ds.launch.rendezvous import HOW_TO_START
@@ -144,7 +145,7 @@ def resolve_environment(env: ClusterEnvironment | None) -> ClusterEnvironment | 
             "the ranks of different nodes would get the same global ranks (LOCAL_RANK, copied from Open MPI by"
             " habana_frameworks, is not enough across nodes) and wait for each other forever"
         )
-        raise RuntimeError(
+        raise SetupError(
             f"This process was started by mpirun (world size {mpi_size} from the environment), but Lightning"
             f" did not detect MPI: {reason}. Install mpi4py for the MPI that mpirun belongs to"
             f" (`pip install mpi4py`, or `bash scripts/setup.sh`); without it {consequence}."
@@ -193,7 +194,7 @@ def check_launcher_world_size(env: ClusterEnvironment | None, devices: int, num_
     expected = devices * num_nodes
     if world_size != expected:
         per_node, nodes = _split(world_size, num_nodes)
-        raise ValueError(
+        raise LaunchError(
             f"{name} started {world_size} processes in all, but `Trainer(devices={devices}, num_nodes={num_nodes})`"
             f" makes {devices} × {num_nodes} = {expected}. Either set `Trainer(devices={per_node},"
             f" num_nodes={nodes})`, or launch {expected} processes (e.g. `lightning-gaudi-ds spawn --world_size"
@@ -202,7 +203,7 @@ def check_launcher_world_size(env: ClusterEnvironment | None, devices: int, num_
     local = launcher_local_world_size()
     if local is not None and local[1] != devices:
         key, value = local
-        raise ValueError(
+        raise LaunchError(
             f"{name} started {value} processes on this node ({key}={value}), but `Trainer(devices={devices})`"
             f" expects {devices} per node. Set `Trainer(devices={value}, num_nodes={world_size // max(value, 1)})`"
             f" or start {devices} processes per node."
@@ -229,7 +230,7 @@ def check_multi_node_environment(env: ClusterEnvironment | None, num_nodes: int,
         return
     if any(environ.get(key) for key in _NODE_ENV_KEYS):
         return  # started by hand on each node (or the others are reached through these): wait, bounded
-    from lightning_gaudi_ds.config.load import ConfigError
+    from lightning_gaudi_ds.errors import ConfigError
 
     raise ConfigError(
         f"Trainer(num_nodes={num_nodes}), but this process runs on its own: no launcher started it, no cluster"

@@ -21,9 +21,18 @@ __all__ = [
 ]
 
 
-class EnvVarError(ValueError):
-    """A package environment variable holds a value that cannot be used; the message names the variable, the value
-    and what is allowed. A ``ValueError``, as for a bad argument."""
+if __package__:
+    from lightning_gaudi_ds.errors import EnvVarError
+else:  # the rank shim's sibling, run by path without the package: errors.py (standard library only) from its file
+    import importlib.util
+    from pathlib import Path
+
+    _spec = importlib.util.spec_from_file_location("_lightning_gaudi_ds_errors",
+                                                   Path(__file__).resolve().parent.parent / "errors.py")
+    assert _spec is not None and _spec.loader is not None
+    _errors = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_errors)
+    EnvVarError = _errors.EnvVarError  # type: ignore[misc]
 
 
 @dataclass(frozen=True)
@@ -40,7 +49,7 @@ def _seconds(zero_ok: bool) -> Callable[[str], float]:
     def parse(text: str) -> float:
         value = float(text)
         if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
-            raise ValueError(text)
+            raise EnvVarError(text)
         return value
 
     return parse
@@ -49,7 +58,7 @@ def _seconds(zero_ok: bool) -> Callable[[str], float]:
 def _whole(low: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         if not text.strip().isdigit() or int(text) < low:
-            raise ValueError(text)
+            raise EnvVarError(text)
         return int(text)
 
     return parse
@@ -59,7 +68,7 @@ def _choice(*choices: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         value = text.strip().lower()
         if value not in choices:
-            raise ValueError(text)
+            raise EnvVarError(text)
         return value
 
     return parse

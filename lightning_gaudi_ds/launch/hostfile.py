@@ -6,12 +6,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from lightning_gaudi_ds.errors import HostfileError
+
 __all__ = ["Host", "HostfileError", "parse_hostfile", "parse_hostfile_text"]
-
-
-class HostfileError(ValueError):
-    """A hostfile line that DeepSpeed's and Open MPI's runners would refuse or misread (also in
-    :mod:`lightning_gaudi_ds.errors`)."""
 
 
 @dataclass(frozen=True)

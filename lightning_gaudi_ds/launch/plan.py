@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lightning_gaudi_ds import hpu
+from lightning_gaudi_ds.errors import ArgumentTypeError, LaunchError
 from lightning_gaudi_ds.launch import envvars
 from lightning_gaudi_ds.launch._proc import ARGS_FILE_FLAG
 from lightning_gaudi_ds.launch.hostfile import Host, parse_hostfile
@@ -122,10 +123,10 @@ class Machine:
 def split_command(command: str) -> list[str]:
     """``"train.py --lr 0.1"`` -> argv, split with shlex (never a shell); a leading interpreter is dropped."""
     if not isinstance(command, str):
-        raise TypeError(f"command {command!r}: pass each command as one string, e.g. 'train.py --lr 0.1'.")
+        raise ArgumentTypeError(f"command {command!r}: pass each command as one string, e.g. 'train.py --lr 0.1'.")
     argv = shlex.split(command)
     if not argv:
-        raise ValueError("an empty command: pass 'script.py args...' or '-m module args...'.")
+        raise LaunchError("an empty command: pass 'script.py args...' or '-m module args...'.")
     if argv[0] == sys.executable or re.fullmatch(r"python[0-9.]*", Path(argv[0]).name):
         argv = argv[1:]  # the launcher supplies the interpreter
     return argv
@@ -145,20 +146,18 @@ def resolve(
     rendezvous_timeout: float | None = None,
 ) -> LaunchSpec:
     """Check the arguments together (reading the hostfile) and pick the launcher; ``ValueError`` says what to fix."""
-    if hpu_mode not in (None, *hpu.MODES):
-        raise ValueError(f"hpu_mode={hpu_mode!r}: pass 'eager' (torch.compile, Habana's default) or 'lazy' (legacy"
-                         " mark_step mode), or leave it unset to use PT_HPU_LAZY_MODE (unset: eager).")
+    hpu.check_mode_name(hpu_mode, "hpu_mode={}", LaunchError)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r}: pass the number of ranks, a whole number >= 1.")
+        raise LaunchError(f"world_size={world_size!r}: pass the number of ranks, a whole number >= 1.")
     if use_mpi and use_deepspeed:
-        raise ValueError("use_mpi=True and use_deepspeed=True: pick one launcher (or neither for torchrun).")
+        raise LaunchError("use_mpi=True and use_deepspeed=True: pick one launcher (or neither for torchrun).")
     if isinstance(master_port, bool) or not (isinstance(master_port, int) and 0 <= master_port < 65536):
-        raise ValueError(f"master_port={master_port!r}: pass a TCP port between 1 and 65535 (0: any free port).")
+        raise LaunchError(f"master_port={master_port!r}: pass a TCP port between 1 and 65535 (0: any free port).")
     if not _seconds(stop_timeout, zero_ok=True):
-        raise ValueError(f"stop_timeout={stop_timeout!r}: pass the seconds between SIGTERM and SIGKILL when stopping"
+        raise LaunchError(f"stop_timeout={stop_timeout!r}: pass the seconds between SIGTERM and SIGKILL when stopping"
                          " ranks, a finite number >= 0 (default 10).")
     if not _seconds(link_timeout):
-        raise ValueError(f"link_timeout={link_timeout!r}: pass the seconds after which a silent host (a lost node or"
+        raise LaunchError(f"link_timeout={link_timeout!r}: pass the seconds after which a silent host (a lost node or"
                          " link) ends the job, a finite number > 0 (default 60).")
     path = Path(hostfile).resolve() if hostfile is not None else None
     hosts = tuple(parse_hostfile(path)) if path is not None else None
@@ -186,12 +185,12 @@ def check_script(argv: Sequence[str], cwd: Path | None = None) -> None:
     before any rank starts (every rank would fail the same way)."""
     if argv[0] == "-m":
         if len(argv) < 2:
-            raise ValueError("-m without a module name: pass '-m package.module args...'.")
+            raise LaunchError("-m without a module name: pass '-m package.module args...'.")
         top = argv[1].split(".")[0]
         import importlib.util
 
         if importlib.util.find_spec(top) is None:
-            raise ValueError(f"module {argv[1]!r}: no module named {top!r} in this Python ({sys.executable}); install"
+            raise LaunchError(f"module {argv[1]!r}: no module named {top!r} in this Python ({sys.executable}); install"
                              " it, or check PYTHONPATH and the name.")
         return
     if argv[0].startswith("-"):  # another interpreter option (-c code, -u ...): nothing to look up
@@ -199,7 +198,7 @@ def check_script(argv: Sequence[str], cwd: Path | None = None) -> None:
     script = Path(cwd or Path.cwd(), argv[0])
     if not script.is_file():
         what = "is a directory" if script.is_dir() else "does not exist"
-        raise ValueError(f"training script {argv[0]!r} {what} (looked in {script.parent}); pass the path of a Python"
+        raise LaunchError(f"training script {argv[0]!r} {what} (looked in {script.parent}); pass the path of a Python"
                          " file, or '-m module' for a module.")
 
 
@@ -210,9 +209,9 @@ def check_log_dir(log_dir: Path) -> None:
         existing = existing.parent
     if not existing.is_dir():
         where = "" if existing == log_dir else f" ({existing} is a file)"
-        raise ValueError(f"log_dir={str(log_dir)!r}: not a directory{where}; pass a directory to keep per-rank logs.")
+        raise LaunchError(f"log_dir={str(log_dir)!r}: not a directory{where}; pass a directory to keep per-rank logs.")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"log_dir={str(log_dir)!r}: {existing} is not writable by this user; pass a directory you"
+        raise LaunchError(f"log_dir={str(log_dir)!r}: {existing} is not writable by this user; pass a directory you"
                          " can write to.")
 
 
@@ -220,23 +219,24 @@ def _world_size(world_size: int, hostfile: Path | None, hosts: tuple[Host, ...] 
                 node_rank: int | None, use_mpi: bool, use_deepspeed: bool) -> int:
     if hosts is None:
         if node_rank is not None:
-            raise ValueError(f"node_rank={node_rank} needs a hostfile listing every node; pass hostfile=.")
+            raise LaunchError(f"node_rank={node_rank} needs a hostfile listing every node; pass hostfile=.")
         return world_size
     total = sum(h.slots for h in hosts)
     slots = ", ".join(f"{h.name}={h.slots}" for h in hosts)
     if world_size not in (1, total):
-        raise ValueError(f"world_size={world_size} but hostfile {hostfile} has {total} slots ({slots}). Pass"
+        raise LaunchError(f"world_size={world_size} but hostfile {hostfile} has {total} slots ({slots}). Pass"
                          f" world_size={total}, or edit the hostfile's slots to the ranks you want.")
     if node_rank is not None:
         if not 0 <= node_rank < len(hosts):
-            raise ValueError(f"node_rank={node_rank}: the hostfile lists {len(hosts)} nodes; pass 0..{len(hosts) - 1}.")
+            raise LaunchError(f"node_rank={node_rank}: the hostfile lists {len(hosts)} nodes;"
+                              f" pass 0..{len(hosts) - 1}.")
         if use_mpi:
-            raise ValueError("node_rank with use_mpi: mpirun starts every node itself; drop node_rank.")
+            raise LaunchError("node_rank with use_mpi: mpirun starts every node itself; drop node_rank.")
         if not use_deepspeed and len({h.slots for h in hosts}) > 1:
-            raise ValueError(f"torchrun starts the same number of ranks on every node, but the hostfile's slots differ"
+            raise LaunchError(f"torchrun starts the same number of ranks on every node, but the hostfile's slots differ"
                              f" ({slots}). Make them equal or use use_deepspeed=True.")
     elif not (use_mpi or use_deepspeed):
-        raise ValueError(
+        raise LaunchError(
             f"hostfile={str(hostfile)!r} with torchrun: torchrun starts the ranks of one node. Run the same command"
             " on each node with node_rank=I (CLI: --node_rank I), or launch every node from here with"
             " use_deepspeed=True or use_mpi=True."
@@ -367,7 +367,7 @@ def deepspeed_env_text(env: Mapping[str, str], user_lines: str = "") -> str:
     names += [key for key in mpirun_forward_names(env) if key not in names]
     for key in names:
         if _SHELL_ACTIVE.search(env[key]):
-            raise ValueError(f"{key}={env[key]!r}: DeepSpeed's pdsh launch hands this variable to a remote shell,"
+            raise LaunchError(f"{key}={env[key]!r}: DeepSpeed's pdsh launch hands this variable to a remote shell,"
                              " which would interpret its \", $, `, \\ or line break. Remove those characters, or"
                              " launch with use_mpi=True or per node (node_rank).")
     ours = "".join(f"{key}={env[key]}\n" for key in names)
@@ -380,20 +380,20 @@ def check_min_nodes(min_nodes: object, spec: LaunchSpec, max_restarts: int) -> N
     if min_nodes is None:
         return
     if isinstance(min_nodes, bool) or not isinstance(min_nodes, int) or min_nodes < 1:
-        raise ValueError(f"min_nodes={min_nodes!r}: pass the fewest hosts a restart may run on, a whole number >= 1,"
+        raise LaunchError(f"min_nodes={min_nodes!r}: pass the fewest hosts a restart may run on, a whole number >= 1,"
                          " or None to restart on every host of the hostfile.")
     if spec.hosts is None:
-        raise ValueError(f"min_nodes={min_nodes} needs a hostfile: it says how many of its hosts a restart may run"
+        raise LaunchError(f"min_nodes={min_nodes} needs a hostfile: it says how many of its hosts a restart may run"
                          " on. Pass hostfile= (CLI: --hostfile), or drop min_nodes.")
     if spec.node_rank is not None or spec.launcher not in ("deepspeed", "mpirun"):
-        raise ValueError(f"min_nodes={min_nodes} with node_rank={spec.node_rank}: a runner started per node cannot"
+        raise LaunchError(f"min_nodes={min_nodes} with node_rank={spec.node_rank}: a runner started per node cannot"
                          " leave other nodes out. Launch every node from here (use_deepspeed=True or use_mpi=True,"
                          " no node_rank), or drop min_nodes.")
     if min_nodes > len(spec.hosts):
-        raise ValueError(f"min_nodes={min_nodes}, but hostfile {spec.hostfile} lists {len(spec.hosts)} host(s);"
+        raise LaunchError(f"min_nodes={min_nodes}, but hostfile {spec.hostfile} lists {len(spec.hosts)} host(s);"
                          f" pass 1..{len(spec.hosts)}.")
     if max_restarts < 1:
-        raise ValueError(f"min_nodes={min_nodes} applies when the job restarts, but max_restarts={max_restarts};"
+        raise LaunchError(f"min_nodes={min_nodes} applies when the job restarts, but max_restarts={max_restarts};"
                          " pass max_restarts >= 1 (CLI: --max_restarts N), or drop min_nodes.")
 
 

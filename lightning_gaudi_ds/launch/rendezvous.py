@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
+from lightning_gaudi_ds.errors import SetupError
 from lightning_gaudi_ds.launch import envvars
 from lightning_gaudi_ds.launch._proc import say
 
@@ -86,7 +87,7 @@ def bounded_rendezvous(
     except (RuntimeError, TimeoutError) as err:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
         if time.monotonic() - start < 0.9 * bounded.total_seconds():
             raise
-        raise RuntimeError(timed_out_message(what, limit, err)) from err
+        raise SetupError(timed_out_message(what, limit, err)) from err
     finally:
         set_timeout(full)
     if full > bounded and torch.distributed.is_initialized():

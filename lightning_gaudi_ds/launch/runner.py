@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lightning_gaudi_ds import hpu
+from lightning_gaudi_ds.errors import LaunchError, SetupError
 from lightning_gaudi_ds.launch import envvars, plan
 from lightning_gaudi_ds.launch._proc import free_port, is_local_address, port_in_use, say
 from lightning_gaudi_ds.launch.hostfile import Host
@@ -96,14 +97,14 @@ class DistributedRunner:
     ) -> None:
         self.command_list = [command_list] if isinstance(command_list, str) else list(command_list)
         if not self.command_list:
-            raise ValueError("command_list=[]: nothing to run; pass at least one command, e.g. ['train.py --lr 0.1'].")
+            raise LaunchError("command_list=[]: nothing to run; pass at least one command, e.g. ['train.py --lr 0.1'].")
         if timeout is not None and not plan._seconds(timeout):
-            raise ValueError(f"timeout={timeout!r}: pass the seconds after which the job is stopped, a finite number"
+            raise LaunchError(f"timeout={timeout!r}: pass the seconds after which the job is stopped, a finite number"
                              " > 0, or None to wait for the job however long it runs.")
         if isinstance(tail_lines, bool) or not isinstance(tail_lines, int) or tail_lines < 0:
-            raise ValueError(f"tail_lines={tail_lines!r}: pass a whole number >= 0.")
+            raise LaunchError(f"tail_lines={tail_lines!r}: pass a whole number >= 0.")
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-            raise ValueError(f"max_restarts={max_restarts!r}: pass how many times a failed job is started again, a"
+            raise LaunchError(f"max_restarts={max_restarts!r}: pass how many times a failed job is started again, a"
                              " whole number >= 0 (0: never).")
         self.max_restarts = max_restarts
         self.commands = [plan.split_command(c) for c in self.command_list]
@@ -176,7 +177,7 @@ class DistributedRunner:
 
     def _check_launcher_installed(self) -> None:
         if self.use_mpi and shutil.which("mpirun") is None:
-            raise RuntimeError("use_mpi=True (--use_mpi) needs Open MPI's `mpirun` on PATH. Install it with"
+            raise SetupError("use_mpi=True (--use_mpi) needs Open MPI's `mpirun` on PATH. Install it with"
                                " `apt-get install openmpi-bin libopenmpi-dev` and `pip install mpi4py`"
                                " (or run `bash scripts/setup.sh`).")
 
@@ -185,7 +186,7 @@ class DistributedRunner:
             return self.master_port  # node 0 owns the rendezvous port
         if self.master_port == 0:
             if self.node_rank == 0:
-                raise ValueError("master_port=0 (any free port) with node_rank: every node must be told the same"
+                raise LaunchError("master_port=0 (any free port) with node_rank: every node must be told the same"
                                  " port; pass one explicitly.")
             return free_port()
         address = self._attempt.master_addr
@@ -193,7 +194,7 @@ class DistributedRunner:
         if not busy:
             return self.master_port
         if self.node_rank == 0:
-            raise RuntimeError(
+            raise SetupError(
                 f"master_port={self.master_port} is already in use on this host ({self.master_addr}), and the other"
                 " nodes will look for it there. Pass a free port (--master_port) to every node."
             )
@@ -306,7 +307,7 @@ class DistributedRunner:
                 run_dir.mkdir(mode=0o700)
             except OSError as err:  # e.g. under /proc, where the access check above cannot tell
                 where = err.filename if err.filename is not None else run_dir
-                raise ValueError(f"log_dir={str(self.log_dir)!r}: cannot create {where} ({err.strerror}); pass a"
+                raise LaunchError(f"log_dir={str(self.log_dir)!r}: cannot create {where} ({err.strerror}); pass a"
                                  " directory you can write to.") from None
             keep = True
         else:  # mkdtemp: mode 0700

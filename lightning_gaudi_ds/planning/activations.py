@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from lightning_gaudi_ds._compat import TorchDispatchMode
+from lightning_gaudi_ds.errors import ArgumentTypeError
 from lightning_gaudi_ds.precisions import PRECISION_DTYPES
 
 
@@ -89,7 +90,7 @@ def _loss_of(output: Any) -> torch.Tensor:
     if isinstance(output, (tuple, list)):
         output = output[0]
     if not isinstance(output, torch.Tensor):
-        raise TypeError(f"the module's output is {type(output).__name__}, not a tensor to take a loss of")
+        raise ArgumentTypeError(f"the module's output is {type(output).__name__}, not a tensor to take a loss of")
     return output.float().mean()
 
 

@@ -14,10 +14,10 @@ from typing import Any
 
 from torch import nn
 
-from lightning_gaudi_ds.config.keys import AUTO
 from lightning_gaudi_ds.planning.inputs import PlanInputs, plan_rows
 from lightning_gaudi_ds.planning.memory import DEFAULT_HEADROOM, ModelSpec
 from lightning_gaudi_ds.planning.units import parse_bytes
+from lightning_gaudi_ds.precisions import AUTO
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from lightning_gaudi_ds.errors import PlanError
 from lightning_gaudi_ds.planning.memory import NO_DEVICE_MEMORY, format_table
 
 
@@ -81,10 +82,10 @@ def _check_numbers(args: argparse.Namespace) -> None:
     for name, meaning in _COUNTS.items():
         value = getattr(args, name)
         if value is not None and value < 1:
-            raise ValueError(f"argument --{name.replace('_', '-')}: {value} is not allowed; pass a whole number >= 1"
+            raise PlanError(f"argument --{name.replace('_', '-')}: {value} is not allowed; pass a whole number >= 1"
                              f" ({meaning})")
     if not (math.isfinite(args.headroom) and 0 <= args.headroom < 1):
-        raise ValueError(f"argument --headroom: {args.headroom} is not allowed; pass a fraction in [0, 1) of the"
+        raise PlanError(f"argument --headroom: {args.headroom} is not allowed; pass a fraction in [0, 1) of the"
                          " memory kept free (default 0.10)")
 
 
@@ -187,12 +188,12 @@ def _model(args: argparse.Namespace, init_args: dict[str, Any]) -> tuple[Any, An
         try:
             n = float(args.params)
         except ValueError:
-            raise ValueError(f"--params {args.params!r} is not a number; write e.g. 7e9 or 125000000") from None
+            raise PlanError(f"--params {args.params!r} is not a number; write e.g. 7e9 or 125000000") from None
         if not (n > 0 and n != float("inf")) or n != int(n):
-            raise ValueError(f"argument --params: {args.params!r} is not allowed; pass a whole, finite number of"
+            raise PlanError(f"argument --params: {args.params!r} is not allowed; pass a whole, finite number of"
                              " trainable parameters > 0, e.g. 7e9 or 125000000")
         if args.measure_activations:
-            raise ValueError("--measure-activations needs the model itself: use --model or --hf-config")
+            raise PlanError("--measure-activations needs the model itself: use --model or --hf-config")
         from lightning_gaudi_ds.planning.memory import parameter_count
 
         return None, ModelSpec(params=parameter_count(n), name=f"{n:.3g} parameters"), None
@@ -204,7 +205,7 @@ def _model(args: argparse.Namespace, init_args: dict[str, Any]) -> tuple[Any, An
         spec = sources.spec_from_module(module, name=args.model)
         inputs = getattr(module, "example_input_array", None)
         if args.measure_activations and inputs is None:
-            raise ValueError(f"--measure-activations: {args.model} has no `example_input_array` (one micro batch);"
+            raise PlanError(f"--measure-activations: {args.model} has no `example_input_array` (one micro batch);"
                              " set it in the module's __init__ (a Lightning convention)")
         return (cls, init_args), spec, inputs
     config = sources.load_hf_config(args.hf_config)
@@ -212,7 +213,7 @@ def _model(args: argparse.Namespace, init_args: dict[str, Any]) -> tuple[Any, An
         built = sources.build_hf_on_meta(config)
     except (RuntimeError, TypeError, ValueError, AssertionError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"--hf-config {args.hf_config!r}: transformers cannot build {type(config).__name__} from it"
+        raise PlanError(f"--hf-config {args.hf_config!r}: transformers cannot build {type(config).__name__} from it"
                          f" ({first}); check its sizes") from None
     spec = sources.spec_from_module(built, name=f"{type(config).__name__}")
     return config, spec, None

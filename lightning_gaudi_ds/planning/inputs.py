@@ -38,8 +38,8 @@ class PlanInputs:
         settings of ``zero_config`` (the ``zero_optimization`` section as its resolution starts; None: the
         strategy's default config) with the device's defaults where it sets none
         (:meth:`~lightning_gaudi_ds.planning.memory.Buckets.for_model`), and whether the engine fuses the torch
-        ``optimizer`` (:func:`~lightning_gaudi_ds.engine.train.fuses_adam`). ``rest``: the other fields."""
-        from lightning_gaudi_ds.engine.train import fuses_adam
+        ``optimizer`` (:func:`~lightning_gaudi_ds.devices.fuses_adam`). ``rest``: the other fields."""
+        from lightning_gaudi_ds.devices import fuses_adam
 
         return cls(spec=spec, device_type=device_type, optimizer=optimizer,
                    buckets=Buckets.for_model(spec.hidden_size, zero_config, device_type),

@@ -45,6 +45,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lightning_gaudi_ds.errors import PlanError
+from lightning_gaudi_ds.planning.buckets import bucket_sizes
 from lightning_gaudi_ds.planning.units import format_bytes
 from lightning_gaudi_ds.precisions import HALF_PRECISIONS, PRECISIONS
 
@@ -113,7 +115,6 @@ class Buckets:
         keys the config leaves unset (``overlap_comm``, how ZeRO-1/2 reduce gradients) take the strategy's
         defaults for ``device_type`` (the device table, :mod:`lightning_gaudi_ds.devices`; ``None``: the device
         here), for the config's stage (ZeRO-2 when it names none), else DeepSpeed's."""
-        bucket_sizes = sizing().bucket_sizes
         values: dict[str, Any] = {}
         if hidden_size:
             values = {k.rsplit(".", 1)[-1]: v for k, v in bucket_sizes(hidden_size).items()}
@@ -191,25 +192,17 @@ class PlanRow:
         return asdict(self)
 
 
-def sizing() -> Any:
-    """:mod:`lightning_gaudi_ds.config.sizing` (the strategy's bucket and hidden-size rules), imported lazily:
-    this module stays free of torch and Lightning."""
-    from lightning_gaudi_ds.config import sizing as module
-
-    return module
-
-
 def bytes_per_param(precision: str) -> float:
     """Bytes of one parameter (and one gradient) in the training precision."""
     if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not one the planner knows. Allowed: {', '.join(PRECISIONS)}")
+        raise PlanError(f"precision={precision!r} is not one the planner knows. Allowed: {', '.join(PRECISIONS)}")
     return 2.0 if precision in HALF_PRECISIONS else 4.0
 
 
 def optimizer_state_bytes(optimizer: str) -> float:
     key = optimizer.lower()
     if key not in OPTIMIZER_STATE_BYTES:
-        raise ValueError(
+        raise PlanError(
             f"optimizer={optimizer!r} is not one the planner knows. Allowed: {', '.join(OPTIMIZER_STATE_BYTES)}"
         )
     return OPTIMIZER_STATE_BYTES[key]
@@ -239,11 +232,11 @@ def model_states(
     low-precision gradient partitions share one buffer, which lives until the last group has stepped.
     """
     if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage={stage!r} is not a ZeRO stage. Allowed: 0, 1, 2, 3")
+        raise PlanError(f"stage={stage!r} is not a ZeRO stage. Allowed: 0, 1, 2, 3")
     if offload_parameters and not (stage == 3 and offload_optimizer):
-        raise ValueError("parameter offload needs stage 3 with the optimizer offloaded too")
+        raise PlanError("parameter offload needs stage 3 with the optimizer offloaded too")
     if offload_optimizer and stage == 0:
-        raise ValueError("ZeRO-Offload needs stage 1, 2 or 3")
+        raise PlanError("ZeRO-Offload needs stage 1, 2 or 3")
     p, k, n = bytes_per_param(precision), optimizer_state_bytes(optimizer), float(world_size)
     half = p < 4
     dev, host = Parts(), Parts()
@@ -291,7 +284,7 @@ def step_temporary_bytes(stage: int, optimizer: str, spec: ModelSpec, world_size
     holds ``sqrt(v)`` and ``sqrt(v) / bias_correction`` of the tensor it updates. ZeRO-1/2/3 step one flat fp32
     partition of Ψ/N elements, ZeRO-0 one parameter at a time. DeepSpeed's CPU Adam (offload) needs none, nor
     torch's fused kernel (``fused``), which the strategy picks for Adam/AdamW on the CPU device
-    (:func:`lightning_gaudi_ds.engine.train.fuses_adam`)."""
+    (:func:`lightning_gaudi_ds.devices.fuses_adam`)."""
     if offload_optimizer or fused:
         return 0
     elements = spec.largest_param if stage == 0 else spec.params / world_size
@@ -368,7 +361,7 @@ def plan_memory(
         param_groups: the optimizer's parameter groups (more than one keeps ZeRO-1/2's gradient buffer
             through the step).
         fused_optimizer: whether the optimizer steps with torch's fused kernel (no temporaries); default: as the
-            strategy decides for ``optimizer`` on ``device_type`` (:func:`~lightning_gaudi_ds.engine.train.fuses_adam`).
+            strategy decides for ``optimizer`` on ``device_type`` (:func:`~lightning_gaudi_ds.devices.fuses_adam`).
 
     The device peak is the larger of two moments: backward (the states at the step's entry, DeepSpeed's
     buckets and gathered parameters, the activations) and the optimizer step (the states inside it and the
@@ -382,9 +375,9 @@ def plan_memory(
     spec = model if isinstance(model, ModelSpec) else ModelSpec(params=parameter_count(model))
     for name, value in (("devices", devices), ("nodes", nodes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
+            raise PlanError(f"{name}={value!r} must be a positive integer")
     if not 0.0 <= headroom < 1.0:
-        raise ValueError(f"headroom={headroom!r} must lie in [0, 1): the fraction of memory kept free")
+        raise PlanError(f"headroom={headroom!r} must lie in [0, 1): the fraction of memory kept free")
     dev_mem = parse_bytes(device_memory, "device_memory") if device_memory is not None else None
     host_mem = parse_bytes(host_memory, "host_memory") if host_memory is not None else None
     if device_type is None:
@@ -393,7 +386,7 @@ def plan_memory(
         device_type = detect_device_type()
     buckets = buckets or Buckets.for_model(spec.hidden_size, device_type=device_type)
     if fused_optimizer is None:
-        from lightning_gaudi_ds.engine.train import fuses_adam
+        from lightning_gaudi_ds.devices import fuses_adam
 
         fused_optimizer = fuses_adam(device_type, optimizer)
     world = devices * nodes
@@ -461,10 +454,10 @@ def fastest_fitting(rows: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | No
 def choose(rows: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     """:func:`fastest_fitting`; raises ``ValueError`` saying what would fit when nothing does."""
     if any(r["fits"] is None for r in rows):
-        raise ValueError("the device memory is unknown: pass device_memory (e.g. '24GiB') to choose a configuration")
+        raise PlanError("the device memory is unknown: pass device_memory (e.g. '24GiB') to choose a configuration")
     row = fastest_fitting(rows)
     if row is None:
-        raise ValueError(no_fit_message(rows))
+        raise PlanError(no_fit_message(rows))
     return row
 
 
@@ -505,7 +498,7 @@ def no_fit_message(rows: Sequence[Mapping[str, Any]]) -> str:
 def parameter_count(value: Any) -> int:
     """``value`` (a number such as 7e9) as a whole, positive parameter count; ``ValueError`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or value != int(value):
-        raise ValueError(f"params={value!r} must be a positive whole number of parameters, e.g. 7e9")
+        raise PlanError(f"params={value!r} must be a positive whole number of parameters, e.g. 7e9")
     return int(value)
 
 

@@ -16,12 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_gaudi_ds.planning.memory import ModelSpec, sizing
+from lightning_gaudi_ds.errors import PlanError
+from lightning_gaudi_ds.planning.buckets import hidden_size
+from lightning_gaudi_ds.planning.memory import ModelSpec
 
 
 def spec_from_module(module: nn.Module, name: str = "") -> ModelSpec:
     """Count a module's parameters (each shared parameter once; ZeRO-3 partitions by their full size)."""
-    hidden_size = sizing().hidden_size
     trainable, frozen, numels = 0, 0, []
     for param in module.parameters():
         n = int(getattr(param, "ds_numel", 0) or param.numel())
@@ -42,15 +43,15 @@ def import_class(target: str) -> type:
         classes = sorted(f"{target}:{n}" for n, v in vars(mod).items() if isinstance(v, type)
                          and issubclass(v, nn.Module) and v.__module__ == mod.__name__ and not n.startswith("_"))
         there = f" The torch.nn.Module classes there: {', '.join(classes)}" if classes else " It defines no nn.Module."
-        raise ValueError(f"--model {target!r} is a module; add ':ClassName' to name the model class in it.{there}")
+        raise PlanError(f"--model {target!r} is a module; add ':ClassName' to name the model class in it.{there}")
     if not sep:
         module_name, _, attr = target.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(f"--model {target!r} is not a class path. Use 'package.module:ClassName'")
+        raise PlanError(f"--model {target!r} is not a class path. Use 'package.module:ClassName'")
     try:
         mod = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
-        raise ValueError(
+        raise PlanError(
             f"--model {target!r}: module {err.name!r} not found. Check the spelling, that the package is installed,"
             " or that its directory is on PYTHONPATH (run from the project root)"
         ) from err
@@ -58,11 +59,11 @@ def import_class(target: str) -> type:
     for part in attr.split("."):
         if not hasattr(obj, part):
             public = sorted(n for n, v in vars(mod).items() if isinstance(v, type) and not n.startswith("_"))
-            raise ValueError(f"--model {target!r}: {module_name!r} has no attribute {attr!r}."
+            raise PlanError(f"--model {target!r}: {module_name!r} has no attribute {attr!r}."
                              f" Classes there: {', '.join(public) or 'none'}")
         obj = getattr(obj, part)
     if not (isinstance(obj, type) and issubclass(obj, nn.Module)):
-        raise ValueError(f"--model {target!r} is {type(obj).__name__} {obj!r}, not a torch.nn.Module subclass")
+        raise PlanError(f"--model {target!r} is {type(obj).__name__} {obj!r}, not a torch.nn.Module subclass")
     return obj
 
 
@@ -86,7 +87,7 @@ def build_on_meta(cls: type, init_args: Mapping[str, Any] | None = None, target:
         required = [p.name for p in params if p.default is p.empty
                     and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in init_args]
         needs = f" It needs: {', '.join(required)}." if required else ""
-        raise ValueError(
+        raise PlanError(
             f"--model {target}: cannot be built with --init-args {json.dumps(init_args)} ({err}).{needs}"
             f" Pass them as JSON, e.g. --init-args '{json.dumps({n: '...' for n in required} or {})}'"
         ) from err
@@ -108,28 +109,28 @@ def load_hf_config(path: str | Path) -> Any:
     try:
         from transformers import AutoConfig
     except ImportError as err:
-        raise ValueError("--hf-config needs the `transformers` package: pip install transformers") from err
+        raise PlanError("--hf-config needs the `transformers` package: pip install transformers") from err
     file = Path(path)
     if file.is_dir():
         file = file / "config.json"
     if not file.is_file():
-        raise ValueError(f"--hf-config {str(path)!r}: no such file. Give a local config.json (or its directory)")
+        raise PlanError(f"--hf-config {str(path)!r}: no such file. Give a local config.json (or its directory)")
     try:
         raw = json.loads(file.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"--hf-config {str(file)!r} is not valid JSON: {err}") from err
+        raise PlanError(f"--hf-config {str(file)!r} is not valid JSON: {err}") from err
     model_type = raw.pop("model_type", None) if isinstance(raw, dict) else None
     if not model_type:
-        raise ValueError(f"--hf-config {str(file)!r} has no 'model_type' (e.g. \"llama\", \"gpt2\")")
+        raise PlanError(f"--hf-config {str(file)!r} has no 'model_type' (e.g. \"llama\", \"gpt2\")")
     for key in _HF_SIZES:
         value = raw.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"--hf-config {str(file)!r}: {key}={value!r} is not allowed; a model size is a whole"
+            raise PlanError(f"--hf-config {str(file)!r}: {key}={value!r} is not allowed; a model size is a whole"
                              " number >= 1")
     try:
         return AutoConfig.for_model(model_type, **raw)
     except ValueError as err:
-        raise ValueError(f"--hf-config {str(file)!r}: {err}") from err
+        raise PlanError(f"--hf-config {str(file)!r}: {err}") from err
 
 
 def build_hf_on_meta(config: Any) -> nn.Module:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from lightning_gaudi_ds.errors import PlanError
+
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -18,16 +20,16 @@ def parse_bytes(value: int | float | str, name: str = "memory") -> int:
     allowed = ("a number of bytes (e.g. 25769803776 or 1.5e9) or a size with a unit: B, KB, MB, GB, TB, KiB, MiB,"
                " GiB, TiB")
     if isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} is not a memory size. Use {allowed}")
+        raise PlanError(f"{name}={value!r} is not a memory size. Use {allowed}")
     if isinstance(value, (int, float)):
         number, unit = float(value), ""
     elif isinstance(value, str) and (match := _PATTERN.match(value)) and match.group(2).lower() in _UNITS:
         number, unit = float(match.group(1)), match.group(2).lower()
     else:
-        raise ValueError(f"{name}={value!r} is not a memory size. Use {allowed} ('96GiB', '24GB', '512MiB')")
+        raise PlanError(f"{name}={value!r} is not a memory size. Use {allowed} ('96GiB', '24GB', '512MiB')")
     result = number * _UNITS[unit]
     if not result > 0 or result != result or result == float("inf"):
-        raise ValueError(f"{name}={value!r} must be a positive size. Use {allowed}")
+        raise PlanError(f"{name}={value!r} must be a positive size. Use {allowed}")
     return int(result)
 
 
