@@ -14,6 +14,7 @@ import pickle
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 __all__ = [
+    "AllocationError",
     "BuildLockError",
     "CheckpointError",
     "CheckpointNotFoundError",
@@ -72,3 +73,4 @@ class BuildLockError(RuntimeError):
 # module imports Lightning for MisconfigurationException); re-exported here.
 from lightning_gaudi_ds.launch.envvars import EnvVarError  # noqa: E402
 from lightning_gaudi_ds.launch.hostfile import HostfileError  # noqa: E402
+from lightning_gaudi_ds.launch.slurm import AllocationError  # noqa: E402

@@ -120,8 +120,8 @@ def resolve_ckpt_path(trainer: Any, checkpoint_path: Any) -> Any:
         rank_zero_info(_adopted(final))
     candidates |= set(adopted)
     if checkpoint_path is None:
-        rank_zero_info(f"Restart {restart} of the job ({envvars.RESTART.name}={restart}): resuming from"
-                       " ckpt_path='last'.")
+        source = envvars.RESTART.name if os.environ.get(envvars.RESTART.name, "").strip() else "SLURM_RESTART_COUNT"
+        rank_zero_info(f"Restart {restart} of the job ({source}={restart}): resuming from ckpt_path='last'.")
     elif not adopted and _complete(Path(checkpoint_path)):
         return checkpoint_path
     chosen, skipped = newest_complete(candidates)

@@ -32,6 +32,7 @@ TOOLS = ("munged", "munge", "slurmctld", "slurmd", "sbatch", "srun", "salloc", "
 SLURMD_TIMEOUT = 6  # s: slurmctld marks a node DOWN (and kills or requeues its jobs) after this much silence
 KILL_WAIT = 4  # s: SIGTERM -> SIGKILL when SLURM ends a job's processes
 CRED_EXPIRE = 5  # s: how long a requeued job waits before it starts again
+# and the scheduler looks at pending jobs every second (sched_interval, 60 s by default), so that it starts then
 CPUS = 2  # per node: what each host's slurmd finds (both share the machine's cores)
 
 
@@ -54,6 +55,7 @@ SwitchType=switch/none
 MpiDefault=none
 PlugStackConfig={d / "etc" / "plugstack.conf"}
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 StateSaveLocation={d / "state"}

@@ -120,7 +120,7 @@ def preempted(slurm_cluster: Slurm, tmp_path_factory: pytest.TempPathFactory) ->
         slurm.run("scancel", str(job), check=False)
     left = slurm.cluster.wait_clean(30)
     print(f"\nSLURM preemption job: {', '.join(f'{k} {v:.1f} s' for k, v in timings.items())}")
-    return {"out": out, "info": info, "log": log.read_text(errors="replace"), "left": left, "timings": timings,
+    return {"job": job, "out": out, "info": info, "log": log.read_text(errors="replace"), "left": left, "timings": timings,
             "slurmctld": slurm.log("slurmctld.log")}
 
 
@@ -145,7 +145,8 @@ def test_the_time_limit_signal_saves_and_requeues(preempted: dict[str, Any]) -> 
     assert f"SIGUSR1: saved {preempted['out'] / 'ckpt' / 'last.ckpt'} at step {saved}" in log, log[-4000:]
     assert "SIGUSR1 (SLURM auto-requeue): requeued SLURM job" in log, log[-4000:]
     assert second["resumed_from"] == str(preempted["out"] / "ckpt" / "last.ckpt")
-    assert "Restart 1 of the job" in log and "Requeue of JobId" in preempted["slurmctld"]
+    assert "Restart 1 of the job (SLURM_RESTART_COUNT=1): resuming from ckpt_path='last'." in log, log[-4000:]
+    assert preempted["slurmctld"].count(f"requeue JobId={preempted['job']} per user/system request") == 2
 
 
 def test_scancel_term_saves_exits_75_and_the_batch_script_requeues(preempted: dict[str, Any]) -> None:
