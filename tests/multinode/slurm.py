@@ -99,9 +99,9 @@ class Slurm:
                                  f" {done.stderr.strip()[-2000:]}")
         return done
 
-    def sbatch(self, script: Path, *options: str, env: Mapping[str, str], cwd: Path) -> int:
-        """Submit ``script`` from n0 (in ``cwd``, exporting ``env``); the job id."""
-        done = self.run("sbatch", "--parsable", *options, str(script), env=env, cwd=cwd)
+    def sbatch(self, script: Path, *options: str, args: Sequence[str] = (), env: Mapping[str, str], cwd: Path) -> int:
+        """Submit ``script`` with ``args`` from n0 (in ``cwd``, exporting ``env``); the job id."""
+        done = self.run("sbatch", "--parsable", *options, str(script), *args, env=env, cwd=cwd)
         return int(done.stdout.strip().split(";")[0])
 
     def job(self, job: int) -> dict[str, str]:
@@ -190,7 +190,7 @@ def start(cluster: Cluster) -> Slurm:
                                            "CgroupAutomount=no\n")
     (d / "cgroup").mkdir()
     slurm = Slurm(cluster, d)
-    for index, host in enumerate(cluster.hosts):
+    for host in cluster.hosts:
         for source, target in ((d / host.name / "munge", d / "munge"), (d / "etc", Path("/etc/slurm"))):
             done = subprocess.run(["nsenter", "-t", str(host.init_pid), "-m", "--", "mount", "--bind", str(source),
                                    str(target)], capture_output=True, text=True, timeout=30)
