@@ -141,3 +141,14 @@ def test_spawn_in_a_requeued_job_tells_its_ranks_the_restart(tmp_path: Path,
     text = out.read_text()
     assert code == 0, text
     assert text.count("restart 2 []") == 2, text  # torchrun's ranks: restart 2, and no SLURM variable
+
+
+@pytest.mark.parametrize("example", ["slurm/train.sbatch", "kubernetes/mpijob.yaml", "kubernetes/pytorchjob.yaml"])
+def test_the_documented_recipes_are_the_tested_files(example: str) -> None:
+    """docs/launching.md shows the batch script and the manifests that tests/multinode runs, as they are."""
+    from tests.procs import REPO
+
+    text = (REPO / "examples" / example).read_text().rstrip()
+    docs = (REPO / "docs" / "launching.md").read_text()
+    lang = "shell" if example.endswith(".sbatch") else "yaml"
+    assert f"```{lang}\n{text}\n```" in docs, f"docs/launching.md does not show examples/{example} as it is"
