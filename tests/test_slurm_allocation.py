@@ -103,6 +103,19 @@ def test_the_runner_reads_the_allocation_and_refuses_a_contradiction(monkeypatch
         DistributedRunner("t.py", use_mpi=True)
 
 
+def test_a_hostfile_wins_over_the_allocation_and_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    for key, value in JOB.items():
+        monkeypatch.setenv(key, value)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("a slots=1\nb slots=1\n")
+    runner = DistributedRunner("t.py", hostfile=hostfile, use_deepspeed=True)
+    assert [h.name for h in runner.hosts or ()] == ["a", "b"] and runner.world_size == 2
+    assert runner._ignored_allocation is not None and "SLURM_JOB_NODELIST=n[0-1]" in runner._ignored_allocation
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "garbage")  # unreadable, but not needed: the hostfile is used
+    assert DistributedRunner("t.py", hostfile=hostfile, use_mpi=True).world_size == 2
+
+
 def test_ranks_another_launcher_starts_see_no_slurm_variable(tmp_path: Path) -> None:
     machine = plan.Machine(python="/py", mpirun="/opt/mpirun", as_root=False, cpus=4)
     base = {"PATH": "/bin", "SLURM_JOB_ID": "42", "SLURM_NTASKS": "4", "SLURMD_NODENAME": "n0"}

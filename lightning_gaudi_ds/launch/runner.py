@@ -115,7 +115,11 @@ class DistributedRunner:
         rdzv = envvars.read(envvars.RENDEZVOUS_TIMEOUT) if os.environ.get(envvars.RENDEZVOUS_TIMEOUT.name) else None
         allocation = None
         if (use_mpi or use_deepspeed) and node_rank is None:
-            allocation = slurm.allocation(os.environ)  # read (and checked) even when a hostfile wins, to say so
+            try:
+                allocation = slurm.allocation(os.environ)  # read even when a hostfile wins, to say so
+            except slurm.AllocationError:
+                if hostfile is None:
+                    raise
         self.spec = plan.resolve(world_size, hostfile, use_mpi, use_deepspeed, master_port, master_addr, node_rank,
                                  stop_timeout, hpu_mode, link_timeout,  # type: ignore[arg-type]  # resolve checks it
                                  rdzv, allocation)
