@@ -4,7 +4,8 @@ that code catching Lightning's errors catches these: a setting that cannot be us
 pickle an ``UnpicklingError``. Every message names the value, what is allowed and how to fix it.
 
 The classes are importable from where they were first defined as well (``lightning_gaudi_ds.config``,
-``lightning_gaudi_ds.checkpoint``, ``lightning_gaudi_ds.jit_ops``, ``lightning_gaudi_ds.launch.hostfile``).
+``lightning_gaudi_ds.checkpoint``, ``lightning_gaudi_ds.jit_ops``, ``lightning_gaudi_ds.launch.hostfile``,
+``lightning_gaudi_ds.launch.slurm``).
 """
 
 from __future__ import annotations
