@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "AllocationError",
     "ArgumentTypeError",
     "BuildLockError",
     "CheckpointError",
@@ -66,6 +67,11 @@ class LaunchError(InvalidArgumentError):
 
 class HostfileError(LaunchError):
     """A hostfile line that DeepSpeed's and Open MPI's runners would refuse or misread."""
+
+
+class AllocationError(HostfileError):
+    """The SLURM allocation's variables cannot be read as the hosts of a launch, or disagree with each other or with
+    the launch's arguments. A ``HostfileError``: the allocation stands in for the hostfile."""
 
 
 class EnvVarError(InvalidArgumentError):

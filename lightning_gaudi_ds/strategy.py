@@ -277,7 +277,7 @@ class HPUDeepSpeedStrategy(DeepSpeedCore, DeepSpeedStrategy):
         trainer = attached_trainer(self.lightning_module)
         if trainer is not None:  # after Lightning's own SIGTERM handler, which it registers before this
             self._preemption.install(trainer, resume.RankFacts(self.world_size, self.global_rank, self.local_rank,
-                                                               self.launcher))
+                                                               self.launcher, self.cluster_environment))
             # trainer.log_dir: every rank calls it
             self._resolver.publish(trainer.log_dir or trainer.default_root_dir, rank_zero=self.is_global_zero)
 
@@ -289,7 +289,8 @@ class HPUDeepSpeedStrategy(DeepSpeedCore, DeepSpeedStrategy):
     @override
     def teardown(self) -> None:
         try:
-            resume.save_on_preemption(attached_trainer(self.lightning_module), has_engine=self.model is not None)
+            resume.save_on_preemption(attached_trainer(self.lightning_module), has_engine=self.model is not None,
+                                      watch=self._preemption)
         finally:
             super().teardown()
 

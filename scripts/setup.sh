@@ -30,6 +30,27 @@ if ! { [ -x /usr/sbin/sshd ] && command -v pdsh >/dev/null 2>&1; }; then
     echo "setup.sh: no sshd/pdsh and no apt-get: the multi-node tier (tests/multinode) will be skipped" >&2
   fi
 fi
+# SLURM 22.05 and munge for the multi-node tier's SLURM tests (tests/multinode/test_slurm.py: slurmctld and slurmd
+# on the two namespace hosts, started by the tests with their own configuration). Their services are not started by
+# the install (policy-rc.d, made for it where the machine has none). Without them those tests are skipped, saying why.
+if ! { command -v slurmd >/dev/null 2>&1 && command -v slurmctld >/dev/null 2>&1 && command -v sbatch >/dev/null 2>&1 \
+       && command -v munged >/dev/null 2>&1; }; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    POLICY=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+      POLICY=/usr/sbin/policy-rc.d
+      printf '#!/bin/sh\nexit 101\n' | $SUDO tee "$POLICY" >/dev/null && $SUDO chmod 755 "$POLICY"
+    fi
+    { $SUDO apt-get update -qq >/dev/null \
+      && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+           slurmd slurmctld slurm-client munge >/dev/null; } \
+      || echo "setup.sh: slurmd/slurmctld/munge could not be installed: the SLURM tests will be skipped" >&2
+    if [ -n "$POLICY" ]; then $SUDO rm -f "$POLICY"; fi
+  else
+    echo "setup.sh: no SLURM and no apt-get: the SLURM tests (tests/multinode/test_slurm.py) will be skipped" >&2
+  fi
+fi
 # libaio for DeepSpeed's async_io op (ZeRO-Infinity's NVMe offload; built with the other ops below).
 if [ ! -e /usr/include/libaio.h ]; then
   if command -v apt-get >/dev/null 2>&1; then

@@ -202,6 +202,9 @@ def _check(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
             assert len(args) <= 1, args
         else:
             assert not args, f"{script} takes no arguments"
+    elif argv[0] == "sbatch":  # SLURM's: a batch script of the repository, then the training script's arguments
+        script = next((a for a in argv[1:] if not a.startswith("-")), "")
+        assert script.endswith(".sbatch") and (REPO / script).is_file(), f"sbatch {script}: no such batch script"
     elif program in OTHERS:
         if argv[:2] == ["pip", "install"]:
             extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]

@@ -21,6 +21,7 @@ from lightning_gaudi_ds import errors
     ("IncompleteCheckpointError", (MisconfigurationException, FileNotFoundError)),
     ("UnsafeCheckpointError", (MisconfigurationException, pickle.UnpicklingError)),
     ("HostfileError", (ValueError,)),
+    ("AllocationError", (ValueError,)),
     ("EnvVarError", (ValueError,)),
     ("BuildLockError", (RuntimeError,)),
 ])

@@ -11,8 +11,14 @@ Lightning saw it among the candidates, or a restart, then resumes from it if it 
 ``ckpt_path="last"`` before the strategy is connected, so when it was the only one Lightning found none, and that
 fit starts without it, saying so (``ModelCheckpoint``'s version counter then saves ``last-v1.ckpt`` beside it).
 
-Under ``lightning-gaudi-ds spawn --max_restarts N`` every rank of a restart sees ``LIGHTNING_GAUDI_DS_RESTART`` > 0:
-a ``trainer.fit`` without ``ckpt_path`` then resumes from ``"last"``.
+Under ``lightning-gaudi-ds spawn --max_restarts N`` every rank of a restart sees ``LIGHTNING_GAUDI_DS_RESTART`` > 0,
+and every task of a requeued SLURM job ``SLURM_RESTART_COUNT`` > 0: a ``trainer.fit`` without ``ckpt_path`` then
+resumes from ``"last"``.
+
+Preemption: SIGTERM, and under Lightning's ``SLURMEnvironment(auto_requeue=True)`` its requeue signal (SIGUSR1,
+``sbatch --signal=USR1@N``), stop every rank at one step boundary (:class:`PreemptionWatch`) and save ``last.ckpt``
+crash-safe (:func:`save_on_preemption`); after the requeue signal rank 0 then requeues the job (``scontrol
+requeue``), as Lightning's auto-requeue does, but after a save that every rank made at the same step.
 """
 
 from __future__ import annotations
@@ -35,8 +41,14 @@ from lightning_gaudi_ds.launch import envvars
 
 
 def restart_count(env: Mapping[str, str] = os.environ) -> int:
-    """Which restart of the job this process belongs to (0: the first start, or not started by the runner)."""
-    return int(envvars.read(envvars.RESTART, env))
+    """Which restart of the job this process belongs to: ``LIGHTNING_GAUDI_DS_RESTART`` (set by the runner, which
+    counts SLURM's requeues in), else ``SLURM_RESTART_COUNT`` (a task srun started in a requeued job); 0 for the
+    first start."""
+    from lightning_gaudi_ds.launch import slurm
+
+    if env.get(envvars.RESTART.name, "").strip():
+        return int(envvars.read(envvars.RESTART, env))
+    return slurm.restart_count(env)
 
 
 def _saved_at(path: Path) -> float:
@@ -108,8 +120,8 @@ def resolve_ckpt_path(trainer: Any, checkpoint_path: Any) -> Any:
         rank_zero_info(_adopted(final))
     candidates |= set(adopted)
     if checkpoint_path is None:
-        rank_zero_info(f"Restart {restart} of the job ({envvars.RESTART.name}={restart}): resuming from"
-                       " ckpt_path='last'.")
+        source = envvars.RESTART.name if os.environ.get(envvars.RESTART.name, "").strip() else "SLURM_RESTART_COUNT"
+        rank_zero_info(f"Restart {restart} of the job ({source}={restart}): resuming from ckpt_path='last'.")
     elif not adopted and _complete(Path(checkpoint_path)):
         return checkpoint_path
     chosen, skipped = newest_complete(candidates)
@@ -162,14 +174,17 @@ def _complete(path: Path) -> bool:
     return True
 
 
-def save_on_preemption(trainer: Any, *, has_engine: bool) -> str | None:
-    """After SIGTERM: save ``last.ckpt`` of the first ``ModelCheckpoint`` and make the exit code ``PREEMPTED_EXIT``.
+def save_on_preemption(trainer: Any, *, has_engine: bool, watch: PreemptionWatch | None = None) -> str | None:
+    """After SIGTERM (or SLURM's requeue signal, which ``watch`` noted): save ``last.ckpt`` of the first
+    ``ModelCheckpoint`` and make the exit code ``PREEMPTED_EXIT``; after the requeue signal, rank 0 then requeues the
+    SLURM job.
 
     Lightning notes SIGTERM (``trainer.received_sigterm``, rank 0's flag broadcast to every rank at the next batch)
     and stops every rank at that step boundary with ``SIGTERMException``, which would exit with 0. Called from the
     strategy's ``teardown`` while that exception is being handled, on every rank: the save is the usual crash-safe
-    one, so a SIGKILL during it (the grace period ran out) leaves the previous checkpoint as it was. Returns the path
-    saved, or None when there was nothing to do.
+    one, so a SIGKILL during it (the grace period ran out) leaves the previous checkpoint as it was. The requeue comes
+    after the save returned on rank 0, that is once the checkpoint is committed. Returns the path saved, or None
+    when there was nothing to do.
     """
     import sys
 
@@ -184,44 +199,74 @@ def save_on_preemption(trainer: Any, *, has_engine: bool) -> str | None:
     if (not isinstance(exc, SIGTERMException) or trainer is None or trainer.state.fn != TrainerFn.FITTING
             or not has_engine):
         return None
+    name = watch.signal_name if watch is not None else "SIGTERM"
+    requeue = watch is not None and watch.requeue and trainer.is_global_zero
     callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
     if not callbacks:
-        rank_zero_warn("SIGTERM: no ModelCheckpoint to save the preemption checkpoint with; stopping without one.")
+        rank_zero_warn(f"{name}: no ModelCheckpoint to save the preemption checkpoint with; stopping without one.")
+        if requeue:
+            _requeue(name)
         return None
     callback = callbacks[0]
     path = callback.format_checkpoint_name({}, callback.CHECKPOINT_NAME_LAST)
     trainer.save_checkpoint(path)
-    rank_zero_info(f"SIGTERM: saved {path} at step {trainer.global_step}; exiting with {PREEMPTED_EXIT} (preempted).")
+    rank_zero_info(f"{name}: saved {path} at step {trainer.global_step}; exiting with {PREEMPTED_EXIT} (preempted).")
     exc.code = PREEMPTED_EXIT
+    if requeue:
+        _requeue(name)
     return path
 
 
 @dataclass(frozen=True)
 class RankFacts:
-    """What :class:`PreemptionWatch` needs to know of this rank: the world, its ranks, and the launcher that started
-    the ranks (None: another launcher)."""
+    """What :class:`PreemptionWatch` needs to know of this rank: the world, its ranks, the launcher that started
+    the ranks (None: another launcher) and the cluster environment (SLURM's requeue signal)."""
 
     world_size: int
     global_rank: int
     local_rank: int
     launcher: Any
+    cluster_environment: Any = None
+
+
+def _requeue(name: str) -> None:
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+    from lightning_gaudi_ds.launch import slurm
+
+    done, said = slurm.requeue()
+    (rank_zero_info if done else rank_zero_warn)(f"{name} (SLURM auto-requeue): {said}")
+
+
+def _requeue_signal(env: Any) -> int | None:
+    """The signal Lightning's SLURM auto-requeue handles (``SLURMEnvironment.requeue_signal``) when it is on."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal is not None:
+        return int(env.requeue_signal)
+    return None
 
 
 class PreemptionWatch:
-    """SIGTERM noted without collectives, and agreed on in Lightning's own per-batch broadcast.
+    """SIGTERM (and SLURM's requeue signal) noted without collectives, and agreed on in Lightning's own per-batch
+    broadcast.
 
     Lightning's own SIGTERM handler broadcasts from inside the signal handler, on each rank that gets the signal: when
     the ranks get it at different moments (a scheduler signals every process, the launcher passes it on) those
-    broadcasts pair with other collectives and the ranks hang until SIGKILL. This handler, installed for the fit
-    (Lightning puts the original handlers back in its teardown), only takes note. Global rank 0's note becomes
-    Lightning's ``received_sigterm`` just before Lightning broadcasts that flag at the start of the next training
-    batch, so every rank stops there together and the strategy saves; no collective is added. A SIGTERM that reaches
-    other ranks only is noted and waits for rank 0's (schedulers signal every rank). With one process the handler
-    sets the flag at once, as Lightning's does.
+    broadcasts pair with other collectives and the ranks hang until SIGKILL. Its SLURM requeue handler (SIGUSR1,
+    ``sbatch --signal=USR1@N``) saves a checkpoint from inside the handler, a collective under DeepSpeed, at whatever
+    point each rank was interrupted. This handler, installed for the fit (Lightning puts the original handlers back
+    in its teardown), only takes note, of both. Global rank 0's note becomes Lightning's ``received_sigterm`` just
+    before Lightning broadcasts that flag at the start of the next training batch, so every rank stops there together
+    and the strategy saves (then, after the requeue signal, rank 0 requeues the job); no collective is added. A signal
+    that reaches other ranks only is noted and waits for rank 0's (schedulers signal every rank). With one process
+    the handler sets the flag at once, as Lightning's does.
     """
 
     def __init__(self) -> None:
         self.seen = False
+        self.signal_name = "SIGTERM"  # the first signal noted
+        self.requeue = False  # SLURM's requeue signal was noted: requeue the job after the save
 
     def install(self, trainer: Any, rank: RankFacts) -> None:
         import signal
@@ -234,31 +279,42 @@ class PreemptionWatch:
 
         if threading.current_thread() is not threading.main_thread():
             return
-        self.seen = False
-        users = _compat.handler_before_lightning(trainer, signal.SIGTERM)  # Lightning calls it too
+        self.seen, self.signal_name, self.requeue = False, "SIGTERM", False
+        requeue_signal = _requeue_signal(rank.cluster_environment)
+        if requeue_signal is not None and _compat.handler_before_lightning(trainer, requeue_signal) is not None:
+            requeue_signal = None  # the user's own handler: Lightning left it in place, and so does this
+        signals = [signal.SIGTERM] + ([signal.Signals(requeue_signal)] if requeue_signal is not None else [])
+        users = {signum: _compat.handler_before_lightning(trainer, signum) for signum in signals}  # Lightning calls
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and \
             rank.world_size > 1
         zero = rank.global_rank == 0
 
         def note(signum: int, frame: Any) -> None:
+            if signum == requeue_signal:
+                self.requeue = True
             if not self.seen:
                 import logging
 
+                self.signal_name = signal.Signals(signum).name
                 when = "saving a checkpoint after this step" if zero else "stopping with global rank 0"
-                logging.getLogger(__name__).info(rank_prefixed_message(f"Received SIGTERM: {signum}; {when}",
-                                                                       rank.local_rank))
+                if signum == requeue_signal:
+                    when += ", then requeueing the SLURM job" if zero else ""
+                logging.getLogger(__name__).info(rank_prefixed_message(
+                    f"Received {self.signal_name}: {signum}; {when}", rank.local_rank))
                 launcher = rank.launcher
                 if launcher is not None:  # Lightning's own launcher: its other ranks get it too, as Lightning does
                     launcher.kill(signum)
             self.seen = True
             if not distributed:
                 _compat.note_sigterm(trainer)
-            if users is not None:
-                users(signum, frame)
+            user = users.get(signal.Signals(signum))
+            if user is not None:
+                user(signum, frame)
 
         def before_broadcast() -> None:
             if zero and self.seen:
                 _compat.note_sigterm(trainer)
 
         _compat.hook_sigterm_broadcast(trainer, before_broadcast)
-        signal.signal(signal.SIGTERM, note)
+        for signum in signals:
+            signal.signal(signum, note)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from lightning_gaudi_ds import hpu
 from lightning_gaudi_ds.errors import ArgumentTypeError, LaunchError
-from lightning_gaudi_ds.launch import envvars
+from lightning_gaudi_ds.launch import envvars, slurm
 from lightning_gaudi_ds.launch._proc import ARGS_FILE_FLAG
 from lightning_gaudi_ds.launch.hostfile import Host, parse_hostfile
 
@@ -91,6 +91,8 @@ class LaunchSpec:
     link_timeout: float = 60.0
     rendezvous_timeout: float | None = None  # LIGHTNING_GAUDI_DS_RENDEZVOUS_TIMEOUT, given to every rank
     left_out: tuple[str, ...] = ()  # hosts of the hostfile this start leaves out (min_nodes): see :func:`shrink`
+    allocation: str | None = None  # the hosts are a SLURM allocation's (its variables, for messages); the runner
+    # writes their hostfile (``hostfile`` is None until then)
 
     @property
     def across_hosts(self) -> bool:
@@ -144,8 +146,12 @@ def resolve(
     hpu_mode: hpu.Mode | None = None,
     link_timeout: float = 60.0,
     rendezvous_timeout: float | None = None,
+    allocation: slurm.Allocation | None = None,
 ) -> LaunchSpec:
-    """Check the arguments together (reading the hostfile) and pick the launcher; ``ValueError`` says what to fix."""
+    """Check the arguments together (reading the hostfile) and pick the launcher; ``LaunchError`` says what to fix.
+
+    ``allocation`` (the SLURM allocation this runs in, :func:`~lightning_gaudi_ds.launch.slurm.allocation`) gives the
+    hosts of a DeepSpeed or mpirun launch without a hostfile; a hostfile, when given, is used instead."""
     hpu.check_mode_name(hpu_mode, "hpu_mode={}", LaunchError)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise LaunchError(f"world_size={world_size!r}: pass the number of ranks, a whole number >= 1.")
@@ -161,7 +167,17 @@ def resolve(
                          " link) ends the job, a finite number > 0 (default 60).")
     path = Path(hostfile).resolve() if hostfile is not None else None
     hosts = tuple(parse_hostfile(path)) if path is not None else None
-    world_size = _world_size(world_size, path, hosts, node_rank, use_mpi, use_deepspeed)
+    source = None
+    if hosts is None and allocation is not None and (use_mpi or use_deepspeed) and node_rank is None:
+        hosts, source = allocation.hosts, allocation.source
+        if world_size not in (1, allocation.world_size):
+            raise slurm.AllocationError(
+                f"world_size={world_size}, but the SLURM allocation has {allocation.world_size} task(s) ({source})."
+                f" Pass world_size={allocation.world_size} (or leave it out), or allocate"
+                " --nodes N --ntasks-per-node M with N x M = the ranks you want, or pass a hostfile.")
+        world_size = allocation.world_size
+    else:
+        world_size = _world_size(world_size, path, hosts, node_rank, use_mpi, use_deepspeed)
     if use_mpi:
         launcher = "mpirun"
     elif use_deepspeed:
@@ -170,7 +186,7 @@ def resolve(
         launcher = "python" if world_size == 1 and hosts is None else "torchrun"
     address = master_addr or (hosts[0].name if hosts and len(hosts) > 1 else "127.0.0.1")
     return LaunchSpec(launcher, world_size, address, master_port, stop_timeout, path, hosts, node_rank, hpu_mode,
-                      link_timeout, rendezvous_timeout)
+                      link_timeout, rendezvous_timeout, allocation=source)
 
 
 def _seconds(value: object, zero_ok: bool = False) -> bool:
@@ -312,8 +328,9 @@ def launch_argv(spec: LaunchSpec, user: Sequence[str], port: int, machine: Machi
 def launch_env(spec: LaunchSpec, base: Mapping[str, str], run_dir: Path, token: str, port: int,
                machine: Machine, restart: int = 0) -> dict[str, str]:
     """``base`` (the runner's environment) plus what the launcher and the rank shims need; ``restart``: which
-    restart of the job this start is (0: the first start)."""
-    env = dict(base)
+    restart of the job this start is (0: the first start). A launcher that starts the ranks itself gives them no
+    SLURM job variable: inside an allocation they are its ranks, not srun's tasks."""
+    env = dict(base) if spec.launcher == "python" else slurm.without_slurm(base)
     env.update({RUN_DIR_ENV: str(run_dir), RUN_ID_ENV: token, "MASTER_ADDR": spec.master_addr,
                 "MASTER_PORT": str(port), STOP_TIMEOUT_ENV: str(spec.stop_timeout), RESTART_ENV: str(restart)})
     env.setdefault("PYTHONUNBUFFERED", "1")

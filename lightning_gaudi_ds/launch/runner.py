@@ -22,11 +22,12 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from lightning_gaudi_ds import hpu
 from lightning_gaudi_ds.errors import LaunchError, SetupError
-from lightning_gaudi_ds.launch import envvars, plan
+from lightning_gaudi_ds.launch import envvars, plan, slurm
 from lightning_gaudi_ds.launch._proc import free_port, is_local_address, port_in_use, say
 from lightning_gaudi_ds.launch.hostfile import Host
 from lightning_gaudi_ds.launch.rendezvous import HOW_TO_START
@@ -44,6 +45,9 @@ class DistributedRunner:
         world_size: ranks in all. 1 runs plain python (Lightning's own launcher may still start ``devices``
             processes). With a hostfile: 1 or the sum of its slots.
         hostfile: DeepSpeed's format (``host slots=N``); needs ``use_deepspeed`` or ``use_mpi``, or ``node_rank``.
+            Inside a SLURM allocation (``salloc``, ``sbatch``), ``use_deepspeed`` or ``use_mpi`` without a hostfile
+            runs on the allocation's nodes (``SLURM_JOB_NODELIST``), each with ``SLURM_TASKS_PER_NODE`` ranks; a
+            hostfile, when given, is used instead.
         use_mpi: launch with Open MPI's ``mpirun``.
         use_deepspeed: launch with DeepSpeed's launcher (``--no_local_rank``: scripts read ``LOCAL_RANK``).
             Neither: torchrun (``python -m torch.distributed.run``).
@@ -110,9 +114,17 @@ class DistributedRunner:
         self.commands = [plan.split_command(c) for c in self.command_list]
         envvars.check(os.environ)  # every package variable the ranks would read, checked now, not on a rank
         rdzv = envvars.read(envvars.RENDEZVOUS_TIMEOUT) if os.environ.get(envvars.RENDEZVOUS_TIMEOUT.name) else None
+        allocation = None
+        if (use_mpi or use_deepspeed) and node_rank is None:
+            try:
+                allocation = slurm.allocation(os.environ)  # read even when a hostfile wins, to say so
+            except slurm.AllocationError:
+                if hostfile is None:
+                    raise
         self.spec = plan.resolve(world_size, hostfile, use_mpi, use_deepspeed, master_port, master_addr, node_rank,
                                  stop_timeout, hpu_mode, link_timeout,  # type: ignore[arg-type]  # resolve checks it
-                                 rdzv)
+                                 rdzv, allocation)
+        self._ignored_allocation = allocation.source if allocation is not None and hostfile is not None else None
         plan.check_min_nodes(min_nodes, self.spec, max_restarts)
         self.min_nodes = min_nodes
         self._attempt = self.spec  # what the start under way runs on: the spec, or fewer hosts of it (min_nodes)
@@ -214,6 +226,11 @@ class DistributedRunner:
     def run(self) -> int:
         """Run every command; return the first non-zero exit code (128+N for a rank killed by signal N), else 0."""
         self._check_launcher_installed()
+        if self._ignored_allocation:
+            say(f"hostfile {self.hostfile} given: the SLURM allocation ({self._ignored_allocation}) is not used.")
+        elif self.spec.allocation:
+            say(f"the SLURM allocation's hosts: {', '.join(f'{h.name} ({h.slots})' for h in self.spec.hosts or ())}"
+                f" from {self.spec.allocation}.")
         if self.spec.hosts is None:  # on other nodes the script's path is theirs to have
             for argv in self.commands:
                 plan.check_script(argv)
@@ -315,6 +332,10 @@ class DistributedRunner:
             run_dir, keep = Path(tempfile.mkdtemp(prefix=".lgds-run-" if shared else "lgds-run-", dir=shared)), False
         private = []  # removed at the end whatever happens: the env file may carry tokens from this environment
         try:
+            if self._attempt.hosts is not None and self._attempt.hostfile is None:  # a SLURM allocation's hosts
+                hostfile = run_dir / "hostfile"
+                _write_private(hostfile, plan.hostfile_text(self._attempt.hosts))
+                self._attempt = replace(self._attempt, hostfile=hostfile)
             port = self._choose_port()
             args_file = None
             if self._attempt.across_hosts:  # no remote shell parses the arguments: every shim reads them from here
@@ -323,7 +344,8 @@ class DistributedRunner:
                 _write_private(args_file, json.dumps(user))
             argv = self.build_command(user, port, args_file, run_dir)
             private.append(run_dir / plan.DEEPSPEED_ENV_NAME)
-            env = self._environment(run_dir, token, port, attempt)
+            # a requeued SLURM job (SLURM_RESTART_COUNT) is a restart too: its ranks resume from "last"
+            env = self._environment(run_dir, token, port, attempt + slurm.restart_count(os.environ))
             say(f"{self.launcher}, world size {self._attempt.world_size}: {shlex.join(argv)}")
             supervisor = Supervisor(self.stop_timeout, self.timeout, self.tail_lines, self._attempt.hosts,
                                     self._no_rank_hint(port))

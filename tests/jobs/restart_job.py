@@ -13,6 +13,8 @@ is ``step`` in ``training_step``, that rank (``all``: every rank) sends itself t
 final weights then depend on where a resumed epoch reads its data (the strategy's mid-epoch skip).
 ``--every K``: a checkpoint every K steps (default 2); ``--num_nodes 2``: one rank on each of two hosts (a restart
 that ``--min_nodes`` moved to one host runs there with one rank: the strategy takes the runner's node count).
+``--pace "attempt:seconds"`` (repeatable): on that start, every training step sleeps that long, so that a test can
+signal the job mid-fit. Under srun (SLURM) the start is ``SLURM_RESTART_COUNT`` (how often the job was requeued).
 
 Each rank writes ``<out>/attempt<A>-rank<R>.json``: the global steps its ``training_step`` saw and when (``times``,
 ``killed_at``: when it signalled itself; ``started``: when the process did), the checkpoint it resumed from, and
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -37,13 +40,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gaudi_ds import HPUDeepSpeedStrategy
 
-ATTEMPT = int(os.environ.get("LIGHTNING_GAUDI_DS_RESTART", "0"))
+ATTEMPT = int(os.environ.get("LIGHTNING_GAUDI_DS_RESTART") or os.environ.get("SLURM_RESTART_COUNT") or "0")
 
 
 class StepModel(RegressionModel):
-    def __init__(self, kills: list[str], out: str, data: bool = False) -> None:  # plain types: they go into hparams
-        super().__init__(width=32, optimizer="adamw_exp", lr=0.01)
+    def __init__(self, kills: list[str], out: str, data: bool = False, pace: float = 0.0) -> None:  # plain types
+        super().__init__(width=32, optimizer="adamw_exp", lr=0.01)  # (they go into hparams)
         self.kills, self.out, self.seen, self.lrs, self.losses = kills, Path(out), [], [], []
+        self.pace = pace
         self.data = data
         self.sums: list[float] = []
         self.batches: list[float] = []
@@ -72,6 +76,7 @@ class StepModel(RegressionModel):
                 self.killed_at = time.time()
                 self._record()
                 os.kill(os.getpid(), getattr(signal, f"SIG{sig}"))
+        time.sleep(self.pace)
         return loss * (1.0 + 0.25 * (step % 3))
 
     def _weights_sum(self) -> float:
@@ -92,6 +97,8 @@ class StepModel(RegressionModel):
                   "sampler": repr(loader.sampler) if loader is not None else None,
                   "start_sum": self.start_sum, "resumed_from": self.trainer.ckpt_path and str(self.trainer.ckpt_path),
                   "world_size": self.trainer.world_size, "num_nodes": self.trainer.num_nodes,
+                  "host": socket.gethostname(), "strategy": type(self.trainer.strategy).__name__,
+                  "environment": type(self.trainer.strategy.cluster_environment).__name__,
                   **extra}
         path.write_text(json.dumps(record))
 
@@ -106,6 +113,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=2, help="ModelCheckpoint(every_n_train_steps=...)")
     parser.add_argument("--data", action="store_true", help="train on the loader's batches: one epoch, distinct")
     parser.add_argument("--num_nodes", type=int, default=1, help="2: one rank on each of two hosts")
+    parser.add_argument("--pace", action="append", default=[], help="attempt:seconds: sleep per step on that start")
     args = parser.parse_args()
     start_process()
     out = Path(args.out)
@@ -116,7 +124,8 @@ def main() -> None:
     if args.data:  # one epoch of `steps` steps, every batch its own samples
         n = 16 * args.steps
         data = TensorDataset(torch.randn(n, 32, generator=g), torch.randn(n, 4, generator=g))
-    model = StepModel(args.kill, str(out), args.data)
+    pace = {int(a): float(s) for a, s in (p.split(":") for p in args.pace)}.get(ATTEMPT, 0.0)
+    model = StepModel(args.kill, str(out), args.data, pace)
     trainer = L.Trainer(
         accelerator="cpu", devices=2 // args.num_nodes, num_nodes=args.num_nodes,
         strategy=HPUDeepSpeedStrategy(stage=2), max_steps=args.steps, logger=False, enable_progress_bar=False,

@@ -20,6 +20,7 @@ if run_dir:
     for path in [Path(run_dir), *Path(run_dir).iterdir()]:
         modes[path.name if path != Path(run_dir) else "."] = stat.S_IMODE(path.stat().st_mode)
 record = {"rank": rank, "host": socket.gethostname(), "args": args, "env": {k: os.environ.get(k) for k in KEYS},
-          "modes": modes}
+          "modes": modes, "world_size": os.environ.get("WORLD_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE"),
+          "slurm": sorted(k for k in os.environ if k.startswith("SLURM_"))}
 (out / f"rank{rank}.json").write_text(json.dumps(record))
 print(f"rank {rank} on {record['host']}: {len(args)} args", flush=True)

@@ -10,6 +10,7 @@ init is that host's sshd: killing it ends them all, which is the teardown.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SUBNET = "10.213.77"
+_MADE = itertools.count()  # clusters made by this process: each gets namespaces of its own names
 
 
 class Unavailable(Exception):
@@ -76,6 +78,12 @@ class Host:
 class Cluster:
     root: Path
     hosts: list[Host] = field(default_factory=list)
+    daemons: tuple[str, ...] = ()  # programs that belong to the hosts, not to a job (tests/multinode/slurm.py's)
+
+    def job_processes(self, index: int) -> list[tuple[int, str]]:
+        """Host ``index``'s processes but its sshd listener and :attr:`daemons`."""
+        return [(pid, cmd) for pid, cmd in self.hosts[index].processes()
+                if os.path.basename(cmd.split(" ", 1)[0]).rstrip(":") not in self.daemons]
 
     @property
     def bin(self) -> Path:
@@ -91,7 +99,8 @@ class Cluster:
         return {"PATH": f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}"}
 
     def leftovers(self) -> dict[str, list[tuple[int, str]]]:
-        return {h.name: h.processes() for h in self.hosts if h.processes()}
+        found = {h.name: self.job_processes(i) for i, h in enumerate(self.hosts)}
+        return {name: procs for name, procs in found.items() if procs}
 
     def wait_clean(self, timeout: float) -> dict[str, list[tuple[int, str]]]:
         deadline = time.monotonic() + timeout
@@ -106,8 +115,8 @@ class Cluster:
             self.kill_leftovers_on(index)
 
     def kill_leftovers_on(self, index: int) -> None:
-        """SIGKILL every process of host ``index`` but its sshd listener."""
-        for pid, _ in self.hosts[index].processes():
+        """SIGKILL every process of host ``index`` but its sshd listener and :attr:`daemons`."""
+        for pid, _ in self.job_processes(index):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -128,7 +137,7 @@ def start(root: Path) -> Cluster:
     """Bring up n0 and n1; on any failure, tear down what was made and raise :class:`Unavailable`."""
     _check_tools()
     cluster = Cluster(root)
-    tag = f"lgds{os.getpid()}"
+    tag = f"lgds{os.getpid()}c{next(_MADE)}"
     try:
         _start(cluster, tag)
     except BaseException:

@@ -14,9 +14,11 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--seconds", type=float, default=600)
 parser.add_argument("--pg-timeout", type=float, default=20)
 args = parser.parse_args()
-for ours, mpi in (("RANK", "OMPI_COMM_WORLD_RANK"), ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")):
-    if ours not in os.environ and mpi in os.environ:
-        os.environ[ours] = os.environ[mpi]
+for ours, *theirs in (("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"),
+                      ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")):  # mpirun's, srun's
+    for key in theirs:
+        if ours not in os.environ and key in os.environ:
+            os.environ[ours] = os.environ[key]
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
 rank, host, start, step = dist.get_rank(), socket.gethostname(), time.monotonic(), 0
 while time.monotonic() - start < args.seconds:
