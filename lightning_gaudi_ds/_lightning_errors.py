@@ -8,7 +8,7 @@ import pickle
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from lightning_gaudi_ds.errors import LightningGaudiDSError
+from lightning_gaudi_ds._base_errors import LightningGaudiDSError
 
 __all__ = [
     "CheckpointError",

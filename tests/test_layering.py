@@ -22,7 +22,7 @@ PACKAGE = "lightning_gaudi_ds"
 # may import modules of its own layer or of lower ones.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundations: the standard library only", (
-        "errors", "precisions", "_environ", "core.options", "config.keys", "launch.envvars", "launch.hostfile",
+        "errors", "_base_errors", "precisions", "_environ", "core.options", "config.keys", "launch.envvars", "launch.hostfile",
         "launch._proc", "planning.units", "planning.buckets",
     )),
     ("the libraries' private names, the devices", ("_lightning_errors", "_compat", "_classes", "hpu", "devices")),

@@ -16,15 +16,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_gaudi_ds._compat import _format_precision_config
 from lightning_gaudi_ds.config.load import check_activation_checkpointing
-from lightning_gaudi_ds.config.resolve import (
-    AutoContext,
-    ConfigResolver,
-    drop_device_tuned,
-    explicit_arguments,
-    publish_resolved,
-)
+from lightning_gaudi_ds.config.resolve import AutoContext, ConfigResolver, drop_device_tuned, publish_resolved
 from lightning_gaudi_ds.config.sizing import hidden_size, mark_model_buckets
-from lightning_gaudi_ds.config.validate import check_argument_config, check_arguments, check_offload
+from lightning_gaudi_ds.config.validate import check_argument_config, check_offload
 from lightning_gaudi_ds.devices import device_spec
 from lightning_gaudi_ds.errors import ConfigError
 from lightning_gaudi_ds.planning import auto
@@ -34,7 +28,6 @@ if TYPE_CHECKING:
     from torch.nn import Module
 
     from lightning_gaudi_ds.checkpoint.io import RankZeroComm
-    from lightning_gaudi_ds.core.options import Options
     from lightning_gaudi_ds.planning.auto import AutoStage
     from lightning_gaudi_ds.planning.inputs import PlanInputs
 
@@ -74,30 +67,6 @@ class StrategyConfig(ConfigResolver):
         self.auto = auto_stage
         self.chosen: dict[str, Any] | None = None  # stage="auto": what setup chose
         self._for: Hashable | None = None  # what the last resolution was made for (see ensure_resolved)
-
-    @classmethod
-    def from_arguments(
-        cls, strategy_cls: type, arguments: Mapping[str, Any], options: Options
-    ) -> tuple[StrategyConfig, Any]:
-        """A strategy's arguments checked (:func:`~lightning_gaudi_ds.config.validate.check_arguments`), and its
-        config state; returns it and the ``stage`` to hand to Lightning's ``__init__`` (2, a placeholder until
-        setup, for ``stage="auto"``: Lightning builds its default config with it).
-
-        ``arguments``: those named like Lightning's ``DeepSpeedStrategy`` arguments (``stage``, ``config``,
-        offload, ``remote_device``, ...), the rest by keyword; ``options``: the package's own.
-        """
-        stage = arguments["stage"]
-        auto_stage = check_arguments(
-            stage=stage, hpu_mode=options.hpu_mode, torch_compile=options.torch_compile,
-            offload_optimizer=arguments["offload_optimizer"], offload_parameters=arguments["offload_parameters"],
-            measure_activations=options.measure_activations, number_checkpoints=options.number_checkpoints,
-            remote_device=arguments["remote_device"], device_memory=options.device_memory, config=arguments["config"],
-        )
-        explicit = explicit_arguments(strategy_cls, {**arguments, "number_checkpoints": options.number_checkpoints})
-        if auto_stage is not None:
-            stage = 2
-            explicit.pop("stage")
-        return cls(explicit, auto_stage), stage
 
     @property
     def zero_arguments(self) -> dict[str, Any]:

@@ -27,8 +27,9 @@ from torch.nn import Module
 
 from lightning_gaudi_ds import _compat, hf, hpu
 from lightning_gaudi_ds.config import offloads_optimizer
+from lightning_gaudi_ds.config.resolve import explicit_arguments
 from lightning_gaudi_ds.config.state import LossScale, Placement, StrategyConfig
-from lightning_gaudi_ds.config.validate import check_before_launch, check_device_indices
+from lightning_gaudi_ds.config.validate import check_arguments, check_before_launch, check_device_indices
 from lightning_gaudi_ds.core.options import Options
 from lightning_gaudi_ds.devices import DeviceSpec, device_spec
 from lightning_gaudi_ds.engine import checkpointing, shutdown
@@ -101,9 +102,23 @@ class DeepSpeedCore:
     # ------------------------------------------------------------------------------------------ arguments
     def _check_arguments(self, arguments: dict[str, Any], options: Options) -> None:
         """Before Lightning's ``__init__`` (which loads the config through ``_load_config``): the arguments checked
-        and the config's state made; ``arguments["stage"]`` becomes the stage Lightning builds its config with."""
+        (:func:`~lightning_gaudi_ds.config.validate.check_arguments`) and the config's state made.
+
+        ``arguments``: those named like Lightning's ``DeepSpeedStrategy`` arguments (``stage``, ``config``, offload,
+        ``remote_device``, ...), the rest by keyword; ``arguments["stage"]`` becomes the stage Lightning builds its
+        config with (2, a placeholder until setup, for ``stage="auto"``); ``options``: the package's own."""
         self._options = options
-        self._resolver, arguments["stage"] = StrategyConfig.from_arguments(type(self), arguments, options)
+        auto_stage = check_arguments(
+            stage=arguments["stage"], hpu_mode=options.hpu_mode, torch_compile=options.torch_compile,
+            offload_optimizer=arguments["offload_optimizer"], offload_parameters=arguments["offload_parameters"],
+            measure_activations=options.measure_activations, number_checkpoints=options.number_checkpoints,
+            remote_device=arguments["remote_device"], device_memory=options.device_memory, config=arguments["config"],
+        )
+        explicit = explicit_arguments(type(self), {**arguments, "number_checkpoints": options.number_checkpoints})
+        if auto_stage is not None:
+            arguments["stage"] = 2
+            explicit.pop("stage")
+        self._resolver = StrategyConfig(explicit, auto_stage)
 
     def _adopt_arguments(self, *, config: Any, offload_parameters: bool) -> None:
         """After Lightning's ``__init__`` built or loaded the config: the config checked, the device's state made."""

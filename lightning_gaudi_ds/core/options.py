@@ -15,8 +15,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Options:
     """What ``HPUDeepSpeedStrategy`` (Trainer and Fabric) takes on top of Lightning's ``DeepSpeedStrategy``; the
-    strategies document each argument, and :meth:`lightning_gaudi_ds.config.StrategyConfig.from_arguments` checks
-    them before Lightning's ``__init__`` runs."""
+    strategies document each argument, and :meth:`lightning_gaudi_ds.core.base.DeepSpeedCore._check_arguments`
+    checks them before Lightning's ``__init__`` runs."""
 
     device_memory: int | str | None = None
     measure_activations: bool = False

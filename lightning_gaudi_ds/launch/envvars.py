@@ -23,12 +23,12 @@ __all__ = [
 
 if __package__:
     from lightning_gaudi_ds.errors import EnvVarError
-else:  # the rank shim's sibling, run by path without the package: errors.py (standard library only) from its file
+else:  # the rank shim's sibling, run by path without the package: the family's light members from their file
     import importlib.util
     from pathlib import Path
 
-    _spec = importlib.util.spec_from_file_location("_lightning_gaudi_ds_errors",
-                                                   Path(__file__).resolve().parent.parent / "errors.py")
+    _spec = importlib.util.spec_from_file_location("_lightning_gaudi_ds_base_errors",
+                                                   Path(__file__).resolve().parent.parent / "_base_errors.py")
     assert _spec is not None and _spec.loader is not None
     _errors = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_errors)
