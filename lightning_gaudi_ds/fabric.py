@@ -236,7 +236,7 @@ _TRAINER_ARGUMENTS = inspect.signature(TrainerStrategy)
 _INFERENCE_ONLY = ("tensor_parallel", "dtype", "replace_with_kernel_inject", "injection_policy", "replace_method",
                    "enable_cuda_graph")
 _PACKAGE_ONLY = ("device_memory", "measure_activations", "hpu_mode", "torch_compile", "number_checkpoints",
-                 "zero3_leaf_modules")
+                 "zero3_leaf_modules", "hpz")
 _FABRIC_OPT_IN = "pass `weights_only=False` to fabric.load"
 
 

@@ -16,6 +16,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_gaudi_ds._compat import _format_precision_config, attached_trainer, train_dataloaders
+from lightning_gaudi_ds.config import zeropp
 from lightning_gaudi_ds.config.load import check_activation_checkpointing
 from lightning_gaudi_ds.config.resolve import (
     AutoContext,
@@ -47,9 +48,10 @@ class StrategyConfig(ConfigResolver):
     fixed stage).
     """
 
-    def __init__(self, explicit_args: Mapping[str, Any], auto_stage: AutoStage | None) -> None:
+    def __init__(self, explicit_args: Mapping[str, Any], auto_stage: AutoStage | None, hpz: bool = False) -> None:
         super().__init__(explicit_args)
         self.auto = auto_stage
+        self.hpz = hpz  # HPUDeepSpeedStrategy(hpz=True): ZeRO++ hpZ over the devices of one node (zeropp.py)
         self.chosen: dict[str, Any] | None = None  # stage="auto": what setup chose
         # What the last resolution was made for: the Trainer (weakly: an id is reused after garbage collection),
         # its TrainerFn and whether the module had parameters yet.
@@ -58,7 +60,7 @@ class StrategyConfig(ConfigResolver):
     @classmethod
     def from_arguments(
         cls, strategy_cls: type, arguments: Mapping[str, Any], *, hpu_mode: Any, torch_compile: Any,
-        measure_activations: Any, number_checkpoints: Any, device_memory: Any,
+        measure_activations: Any, number_checkpoints: Any, device_memory: Any, hpz: Any = False,
     ) -> tuple[StrategyConfig, Any]:
         """A strategy's arguments checked (:func:`~lightning_gaudi_ds.config.validate.check_arguments`), and its
         config state; returns it and the ``stage`` to hand to Lightning's ``__init__`` (2, a placeholder until
@@ -74,11 +76,12 @@ class StrategyConfig(ConfigResolver):
             measure_activations=measure_activations, number_checkpoints=number_checkpoints,
             remote_device=arguments["remote_device"], device_memory=device_memory, config=arguments["config"],
         )
+        zeropp.check_argument(hpz, stage, arguments["config"])
         explicit = explicit_arguments(strategy_cls, {**arguments, "number_checkpoints": number_checkpoints})
         if auto_stage is not None:
             stage = 2
             explicit.pop("stage")
-        return cls(explicit, auto_stage), stage
+        return cls(explicit, auto_stage, hpz), stage
 
     @property
     def zero_arguments(self) -> dict[str, Any]:
@@ -115,6 +118,7 @@ class StrategyConfig(ConfigResolver):
         if self.auto is not None:
             auto.mark_pending(config, user_config, self.source)
         check_offload(config, self.explicit_args, offload_parameters, self.source)
+        zeropp.adopt(config, self.hpz, self.source)
 
     def check_activation_checkpointing(self, config: Mapping[str, Any]) -> None:
         check_activation_checkpointing(config, self.source or "built from HPUDeepSpeedStrategy's arguments")
@@ -176,7 +180,8 @@ class StrategyConfig(ConfigResolver):
         return self.resolve(config, AutoContext(
             world_size=strategy.world_size, precision=precision, hidden_size=hidden,
             device_type=spec.device_type if spec is not None else None,
-            zero_defaults=spec.zero_defaults if spec is not None else {}, **facts,
+            zero_defaults=spec.zero_defaults if spec is not None else {},
+            devices_per_node=len(strategy.parallel_devices) if strategy.parallel_devices else None, **facts,
         ))
 
     def choose(self, strategy: Any, module: Module | None = None, precision: str | None = None) -> None:

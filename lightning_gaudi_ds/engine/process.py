@@ -28,6 +28,7 @@ from lightning_gaudi_ds._compat import (
     start_children_with,
 )
 from lightning_gaudi_ds._compat import set_deepspeed_accelerator as _set_deepspeed_accelerator
+from lightning_gaudi_ds.config import zeropp
 from lightning_gaudi_ds.config.state import StrategyConfig
 from lightning_gaudi_ds.config.validate import check_before_launch, check_device_indices
 from lightning_gaudi_ds.devices import DeviceSpec, device_spec
@@ -143,7 +144,8 @@ def zero_init_context(config: dict[str, Any] | None, start: Callable[[], Abstrac
     with ExitStack() as stack, op_cache():  # a failing start leaves nothing entered
         stack.enter_context(hf.loading_errors_named())
         stack.enter_context(hf.zero3_loading(config))
-        stack.enter_context(start())
+        with zeropp.engine_group(config):  # ZeRO++ hpZ: DeepSpeed's process-wide group made this config's
+            stack.enter_context(start())
         return stack.pop_all()
 
 
@@ -265,7 +267,7 @@ def initialize(
 
     strategy._mark_leaf_modules(model)
     assert isinstance(strategy.config, dict)
-    with strategy._runtime.deepspeed_calls():
+    with strategy._runtime.deepspeed_calls(), zeropp.engine_group(strategy.config):  # ZeRO++ hpZ's group
         engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
             args=args,
             config=copy.deepcopy(strategy.config),

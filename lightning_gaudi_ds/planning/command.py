@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--param-groups", type=int, default=1,
                         help="the optimizer's parameter groups (ZeRO-1/2 hold more through the step with >1)")
     parser.add_argument("--headroom", type=float, default=0.10, help="fraction of memory kept free (default 0.10)")
+    parser.add_argument("--hpz", action="store_true",
+                        help="ZeRO-3 rows with ZeRO++ hpZ: a secondary partition per node (zero_hpz_partition_size ="
+                             " devices per node); needs --nodes 2 or more")
     act = parser.add_argument_group("activations")
     act.add_argument("--measure-activations", action="store_true",
                      help="run one forward/backward of one micro batch on one device and add its peak")
@@ -121,7 +124,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 nodes=args.nodes, precision=args.precision,
                 device_memory=device_memory or detect_device_memory(args.device),
                 host_memory=host_memory or detect_host_memory(), headroom=args.headroom,
-                activation_bytes=activations, param_groups=args.param_groups,
+                activation_bytes=activations, param_groups=args.param_groups, hpz=args.hpz,
             ))
 
         rows = plan(spec)
