@@ -140,6 +140,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]]]
                 "theory_parts": [(c.what, c.op, c.nbytes, inter, intra) for c, inter, intra in t.parts],
                 "params": size.params, "persistent_params": persistent,
                 "step_seconds": [s for r in records for s in r["step_seconds"]],
+                "step_cpu_seconds": [s for r in records for s in r.get("step_cpu_seconds", [])],
                 "collectives": records[0]["collectives"] if records else {},
                 "zero_optimization": records[0]["zero_optimization"] if records else None,
             })
@@ -184,10 +185,12 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"Model: {meta['layers']} x Linear({meta['hidden']}, {meta['hidden']}) (Ψ = {meta['params'] / 1e6:.2f}M),"
         f" {meta['precision']}, AdamW, micro-batch {meta['batch_size']}; {meta['warmup']} warm-up steps, then"
         f" {meta['steps']} measured. Bytes per optimizer step, both hosts together (MB = 10^6 B); theory:"
-        " `planning.wire.step_traffic` for gloo, ranks 0-1 on n0 and 2-3 on n1.",
+        " `planning.wire.step_traffic` for gloo, ranks 0-1 on n0 and 2-3 on n1. *CPU s/step*: the median over the"
+        " measured steps of rank 0 and rank 2 of their process's CPU time (user + system), which the machine's load"
+        " stretches least.",
         "",
         "| configuration | inter-host MB/step: counted | payload | theory | payload ÷ theory | intra-host MB/step:"
-        " payload | theory | ÷ theory | ÷ ZeRO-3's inter-host (theory) | step, s |",
+        " payload | theory | ÷ theory | ÷ ZeRO-3's inter-host (theory) | CPU s/step |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     z3 = next((r for r in rows if r["arm"] == "z3"), None)
@@ -196,8 +199,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         if z3 is not None and r["arm"] != "z3":
             versus = (f"{r['inter_host_payload_bytes'] / z3['inter_host_payload_bytes']:.2f}"
                       f" ({r['theory_inter_host_bytes'] / z3['theory_inter_host_bytes']:.2f})")
-        steps = sorted(r["step_seconds"])
-        median = steps[len(steps) // 2] if steps else float("nan")
+        cpu = sorted(r.get("step_cpu_seconds") or [float("nan")])
+        median = cpu[len(cpu) // 2]
         lines.append(
             f"| {r['label']} | {_mb(r['inter_host_bytes'])} | {_mb(r['inter_host_payload_bytes'])} |"
             f" {_mb(r['theory_inter_host_bytes'])} |"

@@ -31,23 +31,26 @@ from lightning_gaudi_ds import HPUDeepSpeedStrategy  # noqa: E402
 
 
 class StepClock(L.Callback):
-    """Wall time of each step in the window, and the collectives issued there."""
+    """Wall time and the process's CPU time (user + system, every thread) of each step in the window, and the
+    collectives issued there."""
 
     def __init__(self, counter: CollectiveCounter, start: int, steps: int) -> None:
         self.counter, self.start, self.steps = counter, start, steps
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
         self.collectives: dict[str, Any] = {}
-        self._t = 0.0
+        self._t = self._cpu = 0.0
         self._snap: dict[str, Any] | None = None
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step == self.start:
             self._snap = self.counter.snapshot()
-        self._t = time.perf_counter()
+        self._t, self._cpu = time.perf_counter(), time.process_time()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if self.start < trainer.global_step <= self.start + self.steps:
             self.times.append(time.perf_counter() - self._t)
+            self.cpu_times.append(time.process_time() - self._cpu)
         if trainer.global_step == self.start + self.steps and self._snap is not None:
             self.collectives = delta(self.counter.snapshot(), self._snap)
 
@@ -91,14 +94,15 @@ def main() -> None:
             strategy=strategy_for(arm, size, args.batch_size), precision=args.precision,
             max_steps=args.warmup + args.steps, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            callbacks=[WireWindow(args.wire_dir, arm["name"], args.warmup, args.steps, timeout=300), clock],
+            callbacks=[clock, WireWindow(args.wire_dir, arm["name"], args.warmup, args.steps, timeout=300)],
         )
         samples = args.batch_size * world * (args.warmup + args.steps)
         trainer.fit(BenchModule(size), make_loader(make_dataset(size, samples), args.batch_size))
         config = getattr(trainer.strategy, "config", None)
         if trainer.local_rank == 0:
             record = {"arm": arm["name"], "rank": trainer.global_rank, "host": os.uname().nodename,
-                      "step_seconds": clock.times, "collectives": clock.collectives,
+                      "step_seconds": clock.times, "step_cpu_seconds": clock.cpu_times,
+                      "collectives": clock.collectives,
                       "zero_optimization": (config or {}).get("zero_optimization")}
             (out / f"{arm['name']}.rank{trainer.global_rank}.json").write_text(json.dumps(record, default=repr))
         print(f"rank {trainer.global_rank}: {arm['name']} done, steps {[round(t, 3) for t in clock.times]}",

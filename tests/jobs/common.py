@@ -235,9 +235,10 @@ def write_result(out: str | Path, rank: int, result: dict[str, Any]) -> None:
 
 
 class WireWindow(L.Callback):
-    """A window of ``steps`` training steps from global step ``start`` on, marked for the link counters read outside
-    the job (tests/multinode/wire.py): before its first step and after its last, every rank waits in a barrier while
-    rank 0 writes ``<folder>/<name>.<phase>.ready`` and waits (up to ``timeout`` s) for ``<name>.<phase>.go``."""
+    """A window of ``steps`` training steps after the first ``start`` (at least 1), marked for the link counters read
+    outside the job (tests/multinode/wire.py): after step ``start`` and after the window's last step, every rank waits
+    in a barrier while rank 0 writes ``<folder>/<name>.<phase>.ready`` and waits (up to ``timeout`` s) for
+    ``<name>.<phase>.go``. Callbacks that time steps go before it in the Trainer's list."""
 
     def __init__(self, folder: str | Path, name: str, start: int, steps: int, timeout: float = 120) -> None:
         self.folder, self.name, self.start, self.steps, self.timeout = Path(folder), name, start, steps, timeout
@@ -255,10 +256,9 @@ class WireWindow(L.Callback):
                 time.sleep(0.01)
         trainer.strategy.barrier()
 
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        # both marks at the end of a step (the warm-up's last, the window's last): the window's steps are whole
         if trainer.global_step == self.start:
             self._mark(trainer, "start")
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.start + self.steps:
+        elif trainer.global_step == self.start + self.steps:
             self._mark(trainer, "end")
