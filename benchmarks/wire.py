@@ -31,6 +31,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,6 +50,7 @@ RESULTS = REPO / "benchmarks" / "results"
 JOB = HERE / "wire_job.py"
 README = HERE / "README.md"
 TOP_README = REPO / "README.md"
+DOCS = REPO / "docs" / "benchmarks.md"
 HOSTS, RANKS_PER_HOST = 2, 2
 RELEASED = {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
 
@@ -272,8 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(meta, rows)
     readmes = [] if args.no_readme else [  # made first: a README without its section stops the run before any write
         (README, replace_section(README, "wire", table)),
-        (TOP_README, replace_section(TOP_README, "wire", f"- **Wire** (`python benchmarks/wire.py`, 2 hosts x 2"
-                                     f" ranks): {headline(rows)}.")),
+        (DOCS, replace_section(DOCS, "wire", table)),
+        (TOP_README, replace_section(TOP_README, "wire", textwrap.fill(
+            f"- **Wire** (`python benchmarks/wire.py`, 2 hosts x 2 ranks): {headline(rows)}.", width=118,
+            subsequent_indent="  ", break_on_hyphens=False))),
     ]
     with publish.staged(args.out) as stage:
         (stage.path / "wire.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [meta, *rows]))

@@ -200,3 +200,90 @@ def test_quantized_collectives_refused_by_the_trainer_on_cpu() -> None:
     strategy = HPUDeepSpeedStrategy(config={"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}})
     with pytest.raises(ConfigError, match="on 'cpu'"):
         L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+
+
+# ------------------------------------------------------------------------------------------- the step-time model
+def test_step_time_by_hand() -> None:
+    """ZeRO-2 of 1e9 parameters in bf16 on 8 Gaudi 2 cards of one node, 1e12 FLOPs per sample, micro batch 4: compute
+    4e12 / 432e12; all-reduce (HPU's ZeRO-2 path) 2 x 7/8 x 2e9 B and all-gather 7/8 x 2e9 B over 262.5e9 B/s;
+    Adam on 1e9/8 elements x 40 B over 2.46e12 B/s."""
+    from lightning_gaudi_ds.planning.steptime import Workload, step_time
+
+    t = step_time(Workload(1e9, 1e12, 4), "gaudi2", 2, devices=8, reduce_to_owner=False)
+    assert t.compute == pytest.approx(4e12 / 432e12)
+    assert t.communication == pytest.approx(3 * 7 / 8 * 2e9 / 262.5e9)
+    assert t.optimizer == pytest.approx(1e9 / 8 * 40 / 2.46e12)
+    assert t.samples_per_second == pytest.approx(32 / (t.compute + t.communication + t.optimizer))
+    # two such nodes: each ring crosses to the other node on 2 of its 16 edges, whose links (3 x 100 GbE per card,
+    # 8 cards) carry each node's share: 3 x 15/16 x 2e9 B over 8 x 37.5e9 B/s, slower than the node's inside
+    two = step_time(Workload(1e9, 1e12, 4), "gaudi2", 2, devices=8, nodes=2, reduce_to_owner=False)
+    assert two.communication == pytest.approx(3 * 15 / 16 * 2e9 / (8 * 37.5e9))
+    assert two.inter_node_bytes_per_node == pytest.approx(3 * 15 / 16 * 2e9)
+
+
+def test_step_time_hpz_and_efficiency() -> None:
+    import dataclasses
+
+    from lightning_gaudi_ds.planning.steptime import HARDWARE, Workload, step_time
+
+    w = Workload(7e9, 6 * 7e9 * 4096, 1)
+    z3 = step_time(w, "gaudi2", 3, devices=8, nodes=8)
+    hpz = step_time(w, "gaudi2", 3, devices=8, nodes=8, hpz=True)
+    assert hpz.inter_node_bytes_per_node == pytest.approx(2 / 3 * z3.inter_node_bytes_per_node)
+    # Gaudi 2's 3 scale-out ports per card (300 GB/s a node) carry a ring's crossing bytes as fast as the 21 inside
+    # carry a rank's: hpZ saves link bytes, hardly time. With 1 port per card out the link is the bottleneck, and it
+    # saves a third of the all-gathers' time there.
+    assert hpz.communication == pytest.approx(z3.communication, rel=0.02)
+    thin = dataclasses.replace(HARDWARE["gaudi2"], inter_node_bandwidth=100e9 / 8)
+    z3_thin, hpz_thin = (step_time(w, thin, 3, devices=8, nodes=8, hpz=h) for h in (False, True))
+    assert hpz_thin.communication < 0.8 * z3_thin.communication
+    half = step_time(w, "gaudi2", 3, devices=8, nodes=8, efficiency=0.5)
+    assert half.compute == pytest.approx(2 * z3.compute)
+    with pytest.raises(ValueError, match=r"efficiency=0 must lie in \(0, 1\]"):
+        step_time(w, "gaudi2", 3, devices=8, efficiency=0)
+    with pytest.raises(ValueError, match="no fp32 peak in the table"):
+        step_time(Workload(7e9, 1e12, 1, "32-true"), "gaudi2", 3, devices=8)
+
+
+def test_transformer_flops_per_sample() -> None:
+    """Kaplan et al.: forward 2 FLOPs per parameter per token + 2·layers·seq·hidden per token; training 3x, 4x with
+    activation checkpointing. GPT2-XL, 1024 tokens: (2 x 1,557,611,200 + 2 x 48 x 1024 x 1600) x 1024 x 4."""
+    from lightning_gaudi_ds.planning.steptime import transformer_flops_per_sample
+
+    forward = (2 * 1_557_611_200 + 2 * 48 * 1024 * 1600) * 1024
+    assert transformer_flops_per_sample(1_557_611_200, 48, 1600, 1024) == 3 * forward
+    assert transformer_flops_per_sample(1_557_611_200, 48, 1600, 1024, activation_checkpointing=True) == 4 * forward
+
+
+def test_the_cpu_row_is_what_benchmarks_hardware_measured() -> None:
+    """The model's `cpu` row holds benchmarks/results/hardware.json's rates (3 significant digits)."""
+    import json
+    from pathlib import Path
+
+    from lightning_gaudi_ds.planning.steptime import HARDWARE
+
+    measured = json.loads((Path(__file__).parents[1] / "benchmarks/results/hardware.json").read_text())["rates"]
+    cpu = HARDWARE["cpu"]
+
+    def rate(name: str) -> float:
+        return float(f"{measured[name]['per_cpu_second']:.3g}")
+
+    assert cpu.peak_flops == {"bf16": rate("train_matmul_bfloat16_flops"), "fp32": rate("train_matmul_float32_flops")}
+    assert cpu.memory_bandwidth == rate("memory_bytes")
+    assert cpu.collective_rates == {op: rate(f"gloo_{op}_bytes_sent") for op in ("all_reduce", "all_gather", "reduce")}
+    assert measured and cpu.name.split(" (")[0].startswith("this machine")
+
+
+def test_plan_step_time_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_gaudi_ds.planning.command import main
+
+    main(["--params", "1.5576e9", "--hidden-size", "1600", "--devices", "8", "--nodes", "2", "--device", "hpu",
+          "--device-memory", "96GiB", "--hpz", "--step-time", "--seq-len", "1024", "--batch-size", "16",
+          "--activation-checkpointing", "--efficiency", "0.4"])
+    out = capsys.readouterr().out
+    assert "step time on Intel Gaudi 2" in out and "40% of the peak" in out
+    memory, step = out.split("step time on ", 1)
+    assert "ZeRO-3 + hpZ " in memory and "ZeRO-3 + hpZ " in step and "samples/s" in step
+    with pytest.raises(SystemExit):
+        main(["--params", "1e9", "--step-time", "--efficiency", "2", "--device-memory", "1GiB"])
+    assert "argument --efficiency: 2.0 is not allowed" in capsys.readouterr().err

@@ -76,9 +76,9 @@ HARDWARE: dict[str, Hardware] = {
     # Its "peak" is the achieved rate of training matmuls: forward and backward of Linear(1024, 1024) on a micro-batch
     # of 16 (bf16 under autocast, fp32), 6 FLOPs per weight per sample.
     "cpu": Hardware(
-        "this machine's CPU (AMD EPYC, AVX2, 1 core per rank)", {"bf16": 2.19e9, "fp32": 28.5e9}, 22.3e9, 0.0, 0.0,
-        1, "gloo", "benchmarks/results/hardware.json (python benchmarks/hardware.py)",
-        collective_rates={"all_reduce": 0.93e9, "all_gather": 0.96e9, "reduce": 0.70e9}),
+        "this machine's CPU (AMD EPYC, AVX2, 1 core per rank)", {"bf16": 2.65e+09, "fp32": 2.35e+10},
+        2.12e+10, 0.0, 0.0, 1, "gloo", "benchmarks/results/hardware.json (python benchmarks/hardware.py)",
+        collective_rates={"all_reduce": 8.12e+08, "all_gather": 4.16e+08, "reduce": 5.19e+08}),
 }
 
 #: Bytes Adam reads and writes per element it updates (see the module docstring).
