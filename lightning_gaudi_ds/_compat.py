@@ -902,3 +902,14 @@ def runs_quantized_collectives(device_type: str) -> bool:
     except ImportError:
         return False
     return hasattr(module, "QuantizerBuilder")
+
+
+def drop_hpz_secondary_partitions(engine: Any) -> None:
+    """After DeepSpeed loaded a checkpoint into a ZeRO-3 engine with hpZ: drop the parameters' secondary partitions
+    (``ds_secondary_tensor``), so that the next forward gathers the loaded primary partitions. DeepSpeed 0.16.1 (the
+    fork's base) keeps the secondary partitions of the weights from before the load: its ``checkpoint_event_epilogue``
+    does not call ``invalidate_secondary_tensor``, which 0.19's does, and the first step after a resume then trains on
+    the old weights. Nothing happens without hpZ or a ZeRO-3 optimizer."""
+    invalidate = getattr(getattr(engine, "optimizer", None), "invalidate_secondary_tensor", None)
+    if callable(invalidate):
+        invalidate()

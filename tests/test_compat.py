@@ -769,3 +769,18 @@ def test_quantized_collectives_need_the_quantizer_op_of_the_devices_accelerator(
     assert _compat.is_unimplemented_builder(builder) == (not _compat.runs_quantized_collectives("cpu")), (
         f"{DEEPSPEED}: the CPU accelerator's QuantizerBuilder disagrees with _compat.runs_quantized_collectives")
     assert not _compat.runs_quantized_collectives("hpu") and _compat.runs_quantized_collectives("cuda")
+
+
+def test_zero3_optimizer_can_drop_hpz_secondary_partitions() -> None:
+    """_compat.drop_hpz_secondary_partitions calls the ZeRO-3 optimizer's invalidate_secondary_tensor after a load;
+    DeepSpeed 0.19 calls it itself there (checkpoint_event_epilogue), 0.16.1 does not."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    assert callable(getattr(DeepSpeedZeroOptimizer_Stage3, "invalidate_secondary_tensor", None)), (
+        f"{DEEPSPEED} removed DeepSpeedZeroOptimizer_Stage3.invalidate_secondary_tensor, used by"
+        " _compat.drop_hpz_secondary_partitions (hpZ resume)")
+    calls = []
+    _compat.drop_hpz_secondary_partitions(SimpleNamespace(optimizer=SimpleNamespace(
+        invalidate_secondary_tensor=lambda: calls.append(1))))
+    _compat.drop_hpz_secondary_partitions(SimpleNamespace(optimizer=None))  # an engine without one: nothing
+    assert calls == [1]
