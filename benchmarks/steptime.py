@@ -34,6 +34,7 @@ for path in (str(HERE), str(REPO)):
 
 import publish  # noqa: E402
 from cases import ARMS as BENCH_ARMS  # noqa: E402
+from flags import existing_path  # noqa: E402
 
 from lightning_gaudi_ds.planning.steptime import (  # noqa: E402
     HARDWARE,
@@ -172,9 +173,9 @@ def markdown(speed: list[dict[str, Any]], wire: list[dict[str, Any]], published:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--speed", type=Path, default=RESULTS / "speed_this_cpu" / "results.jsonl",
+    parser.add_argument("--speed", type=existing_path, default=RESULTS / "speed_this_cpu" / "results.jsonl",
                         help="2-rank speed rows measured on this machine (run_all.py --only speed)")
-    parser.add_argument("--wire", type=Path, default=RESULTS / "wire.jsonl", help="the wire benchmark's rows")
+    parser.add_argument("--wire", type=existing_path, default=RESULTS / "wire.jsonl", help="the wire benchmark's rows")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default benchmarks/results)")
     parser.add_argument("--no-readme", action="store_true", help="leave README.md and benchmarks/README.md alone")
     args = parser.parse_args(argv)
