@@ -918,3 +918,59 @@ def restart_train_iterator(trainer: pl.Trainer) -> None:
     fetcher = trainer.fit_loop._data_fetcher
     if fetcher is not None:
         iter(fetcher)
+
+
+# ------------------------------------------------------------------------------------------------ ZeRO++
+@contextlib.contextmanager
+def zero_param_intra_group(size: int) -> Iterator[None]:
+    """DeepSpeed's process-wide hpZ group (``deepspeed.utils.groups._ZERO_PARAM_INTRA_PARALLEL_GROUP``, 0.16.1 and
+    0.19.8) made right for one call that builds a ZeRO-3 engine or enters ``zero.Init`` with
+    ``zero_hpz_partition_size=size``. DeepSpeed creates that group once per process and then hands it to every later
+    ZeRO-3 engine: a second hpZ ``zero.Init`` in the process asserts "already initialized", and a plain ZeRO-3 engine
+    after an hpZ one silently runs hpZ. Here a plain engine (``size`` 1) sees no group, an hpZ one reuses the group
+    of its size (DeepSpeed creates it where there is none, or one of another size), and the group stays for the
+    next hpZ engine."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    name = "_ZERO_PARAM_INTRA_PARALLEL_GROUP"
+    current = getattr(groups, name)
+    if current is not None:
+        try:
+            current_size = dist.get_world_size(group=current)
+        except (RuntimeError, ValueError):  # its process group was destroyed: DeepSpeed may make a new one
+            current, current_size = None, 0
+        setattr(groups, name, current if size > 1 and current_size == size else None)
+    try:
+        yield
+    finally:
+        made = getattr(groups, name)
+        setattr(groups, name, made if size > 1 and made is not None else current)
+
+
+def runs_quantized_collectives(device_type: str) -> bool:
+    """Whether this DeepSpeed runs ZeRO++'s quantized collectives (qwZ ``zero_quantized_weights``, qgZ
+    ``zero_quantized_gradients``) on ``device_type``: both load DeepSpeed's ``QuantizerBuilder`` op through the
+    device's accelerator (``CUDAQuantizer``, ``all_to_all_quant_reduce``). On CUDA it is DeepSpeed's own op
+    (``deepspeed.ops.op_builder.QuantizerBuilder``); the CPU and HPU accelerators take theirs from
+    ``deepspeed.ops.op_builder.cpu`` / ``.hpu``, which have none in 0.16.1 and 0.19.8 (their ``NotImplementedBuilder``
+    raises "This op had not been implemented on CPU backend." at the first quantized all-gather)."""
+    import importlib
+
+    package = {"cuda": "deepspeed.ops.op_builder"}.get(device_type, f"deepspeed.ops.op_builder.{device_type}")
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        return False
+    return hasattr(module, "QuantizerBuilder")
+
+
+def drop_hpz_secondary_partitions(engine: Any) -> None:
+    """After DeepSpeed loaded a checkpoint into a ZeRO-3 engine with hpZ: drop the parameters' secondary partitions
+    (``ds_secondary_tensor``), so that the next forward gathers the loaded primary partitions. DeepSpeed 0.16.1 (the
+    fork's base) keeps the secondary partitions of the weights from before the load: its ``checkpoint_event_epilogue``
+    does not call ``invalidate_secondary_tensor``, which 0.19's does, and the first step after a resume then trains on
+    the old weights. Nothing happens without hpZ or a ZeRO-3 optimizer."""
+    invalidate = getattr(getattr(engine, "optimizer", None), "invalidate_secondary_tensor", None)
+    if callable(invalidate):
+        invalidate()

@@ -49,8 +49,8 @@ class HPUDeepSpeedStrategy(DeepSpeedCore, DeepSpeedStrategy):
     less its inference engine's and the fit loop's: ``stage`` (0-3 or ``"auto"``, chosen when ``fabric.setup`` sees
     the model), ``device_memory``, ``measure_activations``, ``config`` (path or dict, ``PL_DEEPSPEED_CONFIG_PATH``
     when unset; its ``"auto"`` values are filled from Fabric's precision, world size and the model), offload,
-    ``hpu_mode``, ``torch_compile``, ``number_checkpoints``, ``zero3_leaf_modules``, and every other argument of
-    :class:`lightning.fabric.strategies.DeepSpeedStrategy` by keyword.
+    ``hpu_mode``, ``torch_compile``, ``number_checkpoints``, ``zero3_leaf_modules``, ``hpz``, and every other
+    argument of :class:`lightning.fabric.strategies.DeepSpeedStrategy` by keyword.
     """
 
     def __init__(
@@ -71,6 +71,7 @@ class HPUDeepSpeedStrategy(DeepSpeedCore, DeepSpeedStrategy):
         torch_compile: bool | None = None,
         number_checkpoints: int | None = None,
         zero3_leaf_modules: Sequence[type[Module] | str] | None = None,
+        hpz: bool = False,
         **kwargs: Any,
     ) -> None:
         _refuse_trainer_only(kwargs)
@@ -82,6 +83,7 @@ class HPUDeepSpeedStrategy(DeepSpeedCore, DeepSpeedStrategy):
         self._check_arguments(arguments, Options(
             device_memory=device_memory, measure_activations=measure_activations, hpu_mode=hpu_mode,
             torch_compile=torch_compile, number_checkpoints=number_checkpoints, zero3_leaf_modules=zero3_leaf_modules,
+            hpz=hpz,
         ))
         super().__init__(**arguments)
         self._adopt_arguments(config=config, offload_parameters=offload_parameters)

@@ -87,6 +87,10 @@ class HPUDeepSpeedStrategy(DeepSpeedCore, DeepSpeedStrategy):
             the module runs: mixture-of-experts blocks, whose experts run on some ranks only (DeepSpeed's
             ``set_z3_leaf_modules``). A class the model lacks is a ``ConfigError`` naming close ones; ignored at
             stages 0-2, with one warning.
+        hpz: ZeRO++ hierarchical partitioning with ``stage=3`` across nodes: each rank also keeps a secondary partition
+            of the parameters over the devices of its node, so that the backward all-gather stays inside the node
+            (``zero_optimization.zero_hpz_partition_size``, "auto": the devices per node). Refused below stage 3, on
+            one node, or where DeepSpeed lacks it; see :mod:`lightning_gaudi_ds.config.zeropp`.
         resume_data_position: a fit resumed from a checkpoint saved mid-epoch goes on with the batch after the last
             one it consumed, the train loader skipping the epoch's first batches by sampler index (default);
             ``False``: Lightning's behaviour, a plain DataLoader re-reads the epoch from its start. See
@@ -120,6 +124,7 @@ class HPUDeepSpeedStrategy(DeepSpeedCore, DeepSpeedStrategy):
         replace_method: str | None = None,
         enable_cuda_graph: bool | None = None,
         zero3_leaf_modules: Sequence[type[Module] | str] | None = None,
+        hpz: bool = False,
         resume_data_position: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -140,6 +145,7 @@ class HPUDeepSpeedStrategy(DeepSpeedCore, DeepSpeedStrategy):
         self._check_arguments(arguments, Options(
             device_memory=device_memory, measure_activations=measure_activations, hpu_mode=hpu_mode,
             torch_compile=torch_compile, number_checkpoints=number_checkpoints, zero3_leaf_modules=zero3_leaf_modules,
+            hpz=hpz,
         ))
         self._inference_config: dict[str, Any] = {}  # the inference keys of `config`, set by _load_config
         # Each argument by name and `**kwargs` as such: jsonargparse (LightningCLI) follows `**kwargs` into

@@ -21,6 +21,7 @@ FORK_TIER = (
     "tests/test_config_training.py::test_shipped_config",
     "tests/test_launch_e2e.py::test_deepspeed_launcher",
     "tests/test_exit.py::test_process_group_threads_end_before_finalization",
+    "tests/multinode/test_hpz.py::",  # DeepSpeed 0.16.1 kept hpZ's stale secondary partitions across a resume
 )
 # Left to the main tier: examples/generate.py's CLI wiring (80 s) does not depend on DeepSpeed's version; the
 # tensor-parallel engine it drives is in the 0.16.1 tier through the other tests of tests/test_inference.py.

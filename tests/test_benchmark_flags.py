@@ -48,6 +48,10 @@ COMMITTED = REPO / "benchmarks" / "results"
         ("run_all", ["--speed-measured", "0"], "--speed-measured"),
         ("run_all", ["--cases", "(unclosed"], "--cases"),
         ("spread", ["a.jsonl", "b.jsonl"], "run1"),
+        ("wire", ["--steps", "0"], "--steps"),
+        ("wire", ["--hidden", "8"], "--hidden"),
+        ("hardware", ["--seconds", "0"], "--seconds"),
+        ("steptime", ["--speed", "no/such/results.jsonl"], "--speed"),
         ("suite", ["no/such/folder"], "folder"),
     ],
 )

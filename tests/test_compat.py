@@ -739,3 +739,73 @@ def test_trainer_hooks_used_by_resume() -> None:
     broadcast = inspect.getsource(_TrainingEpochLoop._broadcast_sigterm_tensor)
     assert 'getattr(self.trainer, "received_sigterm"' in broadcast and "src=0" in broadcast, "resume.PreemptionWatch"
     assert "raise SIGTERMException" in broadcast, "resume.PreemptionWatch"
+
+
+# ================================================================================================ ZeRO++ (hpZ, qwZ, qgZ)
+def test_deepspeeds_hpz_group_is_one_per_process_and_read_when_an_engine_is_built() -> None:
+    """What _compat.zero_param_intra_group manages: DeepSpeed's process-wide hpZ group, created once (zero.Init and the
+    ZeRO-3 optimizer assert it is unset, or reuse it) and read only while an engine is built."""
+    from deepspeed.runtime.zero import partition_parameters, stage3
+    from deepspeed.utils import groups
+
+    assert hasattr(groups, "_ZERO_PARAM_INTRA_PARALLEL_GROUP"), (
+        f"{DEEPSPEED} removed deepspeed.utils.groups._ZERO_PARAM_INTRA_PARALLEL_GROUP, used by"
+        " _compat.zero_param_intra_group (hpZ's group per engine)")
+    create = inspect.getsource(groups._create_zero_param_parallel_group)
+    assert "_ZERO_PARAM_INTRA_PARALLEL_GROUP is None" in create, (
+        f"{DEEPSPEED}: _create_zero_param_parallel_group no longer asserts the group is unset: review"
+        " _compat.zero_param_intra_group")
+    for module in (partition_parameters, stage3):
+        assert "groups._get_zero_param_intra_parallel_group()" in inspect.getsource(module), (
+            f"{DEEPSPEED}: {module.__name__} no longer reads the hpZ group from deepspeed.utils.groups: review"
+            " _compat.zero_param_intra_group")
+
+
+def test_zero_param_intra_group_gives_each_engine_its_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain ZeRO-3 engine sees no group; an hpZ one reuses a group of its size, or gets a new one where the group
+    has another size; afterwards the hpZ group stays for the next hpZ engine."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    sizes = {"g2": 2, "g4": 4}
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: sizes[group])
+    monkeypatch.setattr(groups, "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "g2")
+    with _compat.zero_param_intra_group(1):
+        assert groups._ZERO_PARAM_INTRA_PARALLEL_GROUP is None
+    assert groups._ZERO_PARAM_INTRA_PARALLEL_GROUP == "g2"
+    with _compat.zero_param_intra_group(2):
+        assert groups._ZERO_PARAM_INTRA_PARALLEL_GROUP == "g2"
+    with _compat.zero_param_intra_group(4):
+        assert groups._ZERO_PARAM_INTRA_PARALLEL_GROUP is None  # DeepSpeed makes one of size 4
+        groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = "g4"
+    assert groups._ZERO_PARAM_INTRA_PARALLEL_GROUP == "g4"
+
+
+def test_quantized_collectives_need_the_quantizer_op_of_the_devices_accelerator() -> None:
+    """qwZ and qgZ load QuantizerBuilder through the device's accelerator: the CPU accelerator returns its
+    NotImplementedBuilder for it, as _compat.runs_quantized_collectives says."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    from deepspeed.runtime.comm import coalesced_collectives
+    from deepspeed.runtime.zero import partition_parameters
+
+    assert "QuantizerBuilder" in inspect.getsource(coalesced_collectives)
+    assert "CUDAQuantizer()" in inspect.getsource(partition_parameters)
+    builder = CPU_Accelerator().create_op_builder("QuantizerBuilder")
+    assert _compat.is_unimplemented_builder(builder) == (not _compat.runs_quantized_collectives("cpu")), (
+        f"{DEEPSPEED}: the CPU accelerator's QuantizerBuilder disagrees with _compat.runs_quantized_collectives")
+    assert not _compat.runs_quantized_collectives("hpu") and _compat.runs_quantized_collectives("cuda")
+
+
+def test_zero3_optimizer_can_drop_hpz_secondary_partitions() -> None:
+    """_compat.drop_hpz_secondary_partitions calls the ZeRO-3 optimizer's invalidate_secondary_tensor after a load;
+    DeepSpeed 0.19 calls it itself there (checkpoint_event_epilogue), 0.16.1 does not."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    assert callable(getattr(DeepSpeedZeroOptimizer_Stage3, "invalidate_secondary_tensor", None)), (
+        f"{DEEPSPEED} removed DeepSpeedZeroOptimizer_Stage3.invalidate_secondary_tensor, used by"
+        " _compat.drop_hpz_secondary_partitions (hpZ resume)")
+    calls = []
+    _compat.drop_hpz_secondary_partitions(SimpleNamespace(optimizer=SimpleNamespace(
+        invalidate_secondary_tensor=lambda: calls.append(1))))
+    _compat.drop_hpz_secondary_partitions(SimpleNamespace(optimizer=None))  # an engine without one: nothing
+    assert calls == [1]

@@ -53,12 +53,14 @@ ALL_AUTO = {
         "reduce_scatter": "auto",
         "contiguous_gradients": "auto",
         "use_multi_rank_bucket_allreduce": "auto",
+        "zero_hpz_partition_size": "auto",
     },
 }
 
 
 def ctx(**kwargs: Any) -> AutoContext:
-    base: dict[str, Any] = dict(world_size=2, micro_batch_size=8, precision="bf16-mixed", hidden_size=64)
+    base: dict[str, Any] = dict(world_size=2, micro_batch_size=8, precision="bf16-mixed", hidden_size=64,
+                                devices_per_node=2)
     base.update(kwargs)
     return AutoContext(**base)
 
@@ -232,7 +234,7 @@ class TestResolve:
 
         out = resolve_config(ALL_AUTO, ctx(accumulate_grad_batches=4, gradient_clip_val=0.5, hparams=HP,
                                            total_steps=100, hidden_size=64, device_type="cpu",
-                                           zero_defaults=DEVICES["cpu"].zero_defaults))
+                                           zero_defaults=DEVICES["cpu"].zero_defaults, devices_per_node=4))
         c = out.config
         assert (c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"], c["train_batch_size"]) == (8, 4, 64)
         assert c["gradient_clipping"] == 0.5
@@ -245,6 +247,7 @@ class TestResolve:
         assert (z["stage3_prefetch_bucket_size"], z["stage3_param_persistence_threshold"]) == (3686, 640)
         assert (z["overlap_comm"], z["contiguous_gradients"]) == (False, True)  # ZeRO-3 on CPU
         assert "reduce_scatter" not in z and "use_multi_rank_bucket_allreduce" not in z  # DeepSpeed's default
+        assert z["zero_hpz_partition_size"] == 4  # hpZ: the devices of one node
         assert list(dsc.iter_auto(c)) == []
         assert len(out.filled) == len(dsc.AUTO_KEYS)
         assert "optimizer.params.betas = [0.9, 0.99] (hparam betas)" in out.filled

@@ -164,9 +164,12 @@ def load_checkpoint(
         if zero_stage == 3 and module is not None and fitting is False:
             return load_fp32_weights(info, comm, module, strict=bool(strict), weights_only=weights_only)
         if info.world_size == comm.world_size or info.zero_stage == 0:
-            return deepspeed_load()
-        assert module is not None
-        if fitting is None:  # no Trainer attached: Lightning's own error
-            fitting = module.trainer.state.fn == "fit"  # type: ignore[union-attr]
-        return load_resharded(info, comm, engine, module, fitting=fitting, strict=bool(strict),
-                              weights_only=weights_only)
+            state = deepspeed_load()
+        else:
+            assert module is not None
+            if fitting is None:  # no Trainer attached: Lightning's own error
+                fitting = module.trainer.state.fn == "fit"  # type: ignore[union-attr]
+            state = load_resharded(info, comm, engine, module, fitting=fitting, strict=bool(strict),
+                                   weights_only=weights_only)
+        _compat.drop_hpz_secondary_partitions(engine)  # ZeRO++ hpZ: gather the loaded weights, not the old copy
+        return state

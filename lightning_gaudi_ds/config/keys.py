@@ -43,6 +43,8 @@ BUCKET_KEYS = (
     f"{ZERO}.stage3_prefetch_bucket_size",
     f"{ZERO}.stage3_param_persistence_threshold",
 )
+#: ZeRO++ hpZ: the secondary partition's size; "auto" is the devices of one node (config/zeropp.py).
+HPZ_KEY = f"{ZERO}.zero_hpz_partition_size"
 #: Keys whose default depends on the device (the device table's ``zero_defaults``): filled where not set.
 DEVICE_TUNED_KEYS = tuple(f"{ZERO}.{k}" for k in ZERO_DEFAULT_KEYS)
 OPTIMIZER_AUTO_KEYS = tuple(f"optimizer.params.{k}" for k in ("lr", "betas", "eps", "weight_decay"))
@@ -61,6 +63,7 @@ AUTO_KEYS: tuple[str, ...] = (
     *SCHEDULER_AUTO_KEYS,
     *BUCKET_KEYS,
     *DEVICE_TUNED_KEYS,
+    HPZ_KEY,
 )
 
 #: Keys Lightning always sets from the Trainer: left out of a config, they are filled as if "auto".

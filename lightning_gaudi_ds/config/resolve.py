@@ -72,6 +72,7 @@ from lightning_gaudi_ds.config.keys import (
     BUCKET_KEYS,
     CONFIG_FILENAME,
     DEVICE_TUNED_KEYS,
+    HPZ_KEY,
     MISSING,
     STRATEGY_ARG_KEYS,
     TRAINER_KEYS,
@@ -107,6 +108,7 @@ class AutoContext:
     logging_batch_size: int | None = None  # HPUDeepSpeedStrategy(logging_batch_size_per_gpu=N)
     device_type: str | None = None  # "cpu" | "cuda" | "hpu": whose zero_defaults these are
     zero_defaults: Mapping[int, Mapping[str, tuple[Any, str]]] = field(default_factory=dict)  # devices.DeviceSpec
+    devices_per_node: int | None = None  # the launch's ranks per node: hpZ's "auto" (config/zeropp.py)
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,7 @@ def resolve_config(config: Mapping[str, Any], ctx: AutoContext, source: str = "d
     """
     r = _Resolution(config)
     for section in (_precision, _strategy_arguments, _batch_sizes, _gradient_clipping, _optimizer_and_scheduler,
-                    _buckets, _device_defaults):
+                    _buckets, _device_defaults, _hpz):
         section(r, ctx)
     if r.problems:
         raise ConfigError(report(f"DeepSpeed config ({source}) does not fit this Trainer", r.problems))
@@ -320,6 +322,17 @@ def _device_defaults(r: _Resolution, ctx: AutoContext) -> None:
         elif current == AUTO:
             del r.cfg[ZERO][name]
             r.filled.append(f"{key} = DeepSpeed's default (no {ctx.device_type} default for ZeRO-{stage})")
+
+
+def _hpz(r: _Resolution, ctx: AutoContext) -> None:
+    """ZeRO++ hpZ's secondary partition: "auto" is the devices of one node (lightning_gaudi_ds/config/zeropp.py)."""
+    if r.get(HPZ_KEY) != AUTO:
+        return
+    if ctx.devices_per_node:
+        r.fill(HPZ_KEY, ctx.devices_per_node, "the devices of one node, hpZ's secondary partition")
+    else:
+        r.problems.append(f'{HPZ_KEY}: "auto" needs the devices per node, known once the Trainer (or Fabric) has'
+                          " chosen them.")
 
 
 def drop_device_tuned(config: Mapping[str, Any], explicit_args: Mapping[str, Any]) -> dict[str, Any]:

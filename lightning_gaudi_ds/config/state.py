@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_gaudi_ds._compat import _format_precision_config
+from lightning_gaudi_ds.config import zeropp
 from lightning_gaudi_ds.config.load import check_activation_checkpointing
 from lightning_gaudi_ds.config.resolve import AutoContext, ConfigResolver, drop_device_tuned, publish_resolved
 from lightning_gaudi_ds.config.sizing import hidden_size, mark_model_buckets
@@ -62,9 +63,10 @@ class StrategyConfig(ConfigResolver):
     fixed stage).
     """
 
-    def __init__(self, explicit_args: Mapping[str, Any], auto_stage: AutoStage | None) -> None:
+    def __init__(self, explicit_args: Mapping[str, Any], auto_stage: AutoStage | None, hpz: bool = False) -> None:
         super().__init__(explicit_args)
         self.auto = auto_stage
+        self.hpz = hpz  # HPUDeepSpeedStrategy(hpz=True): ZeRO++ hpZ over the devices of one node (zeropp.py)
         self.chosen: dict[str, Any] | None = None  # stage="auto": what setup chose
         self._for: Hashable | None = None  # what the last resolution was made for (see ensure_resolved)
 
@@ -103,6 +105,7 @@ class StrategyConfig(ConfigResolver):
         if self.auto is not None:
             auto.mark_pending(config, user_config, self.source)
         check_offload(config, self.explicit_args, offload_parameters, self.source)
+        zeropp.adopt(config, self.hpz, self.source)
 
     def check_activation_checkpointing(self, config: Mapping[str, Any]) -> None:
         check_activation_checkpointing(config, self.source or "built from HPUDeepSpeedStrategy's arguments")
@@ -140,7 +143,8 @@ class StrategyConfig(ConfigResolver):
         return self.resolve(config, AutoContext(
             world_size=placement.world_size, precision=precision, hidden_size=hidden,
             device_type=spec.device_type if spec is not None else None,
-            zero_defaults=spec.zero_defaults if spec is not None else {}, **facts,
+            zero_defaults=spec.zero_defaults if spec is not None else {},
+            devices_per_node=placement.devices or None, **facts,
         ))
 
     def choose(

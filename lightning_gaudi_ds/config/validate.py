@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_gaudi_ds import hpu
 from lightning_gaudi_ds._compat import _validate_device_index_selection
+from lightning_gaudi_ds.config import zeropp
 from lightning_gaudi_ds.config.keys import AUTO, STRATEGY_ARG_KEYS, report
 from lightning_gaudi_ds.config.keys import get as get_key
 from lightning_gaudi_ds.config.load import ConfigError, check_activation_checkpointing, check_nvme, config_problems
@@ -177,6 +178,8 @@ def check_before_launch(
         check_multi_node_environment(cluster_environment, num_nodes)
     check_device_indices(devices)
     check_activation_checkpointing(config, config_source or "built from HPUDeepSpeedStrategy's arguments")
+    zeropp.check_before_launch(config, devices_per_node=len(devices), num_nodes=num_nodes, device_type=device_type,
+                               source=config_source)
     if device_type == "cpu" and hpu_available():
         rank_zero_warn(
             "A Gaudi device is visible but the Trainer selected CPU (Lightning's accelerator='auto' does not"

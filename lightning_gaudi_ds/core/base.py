@@ -26,7 +26,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from torch.nn import Module
 
 from lightning_gaudi_ds import _compat, hf, hpu
-from lightning_gaudi_ds.config import offloads_optimizer
+from lightning_gaudi_ds.config import offloads_optimizer, zeropp
 from lightning_gaudi_ds.config.resolve import explicit_arguments
 from lightning_gaudi_ds.config.state import LossScale, Placement, StrategyConfig
 from lightning_gaudi_ds.config.validate import check_arguments, check_before_launch, check_device_indices
@@ -114,11 +114,12 @@ class DeepSpeedCore:
             measure_activations=options.measure_activations, number_checkpoints=options.number_checkpoints,
             remote_device=arguments["remote_device"], device_memory=options.device_memory, config=arguments["config"],
         )
+        zeropp.check_argument(options.hpz, arguments["stage"], arguments["config"])
         explicit = explicit_arguments(type(self), {**arguments, "number_checkpoints": options.number_checkpoints})
         if auto_stage is not None:
             arguments["stage"] = 2
             explicit.pop("stage")
-        self._resolver = StrategyConfig(explicit, auto_stage)
+        self._resolver = StrategyConfig(explicit, auto_stage, options.hpz)
 
     def _adopt_arguments(self, *, config: Any, offload_parameters: bool) -> None:
         """After Lightning's ``__init__`` built or loaded the config: the config checked, the device's state made."""
@@ -303,7 +304,7 @@ class DeepSpeedCore:
 
         self._mark_leaf_modules(model)
         assert isinstance(self.config, dict)
-        with self._runtime.deepspeed_calls():
+        with self._runtime.deepspeed_calls(), zeropp.engine_group(self.config):  # ZeRO++ hpZ's group, this engine's
             engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
                 args=self._deepspeed_args(),
                 config=copy.deepcopy(self.config),
@@ -325,8 +326,10 @@ class DeepSpeedCore:
         default: a JIT build there, and a hang on its lock if that build is killed)."""
         with ExitStack() as stack, op_cache():  # a failing start leaves nothing entered
             stack.enter_context(hf.loading_errors_named())
-            stack.enter_context(hf.zero3_loading(self.config if self.zero_stage_3 else None))
-            stack.enter_context(start())
+            config = self.config if self.zero_stage_3 else None
+            stack.enter_context(hf.zero3_loading(config))
+            with zeropp.engine_group(config):  # ZeRO++ hpZ: DeepSpeed's process-wide group made this config's
+                stack.enter_context(start())
             return stack.pop_all()
 
     def _mark_leaf_modules(self, model: Module) -> None:

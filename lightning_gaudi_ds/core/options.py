@@ -24,3 +24,4 @@ class Options:
     torch_compile: bool | None = None
     number_checkpoints: int | None = None
     zero3_leaf_modules: Sequence[type[Module] | str] | None = None
+    hpz: bool = False

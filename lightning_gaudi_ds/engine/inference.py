@@ -37,6 +37,7 @@ from lightning_gaudi_ds._compat import (
 )
 from lightning_gaudi_ds.checkpoint import io as ckpt_io
 from lightning_gaudi_ds.checkpoint.read import read_full_checkpoint
+from lightning_gaudi_ds.config import zeropp
 from lightning_gaudi_ds.errors import CheckpointNotFoundError, ConfigError
 from lightning_gaudi_ds.precisions import PRECISION_DTYPES
 
@@ -497,15 +498,16 @@ def init_zero_engine(model: Module, config: Mapping[str, Any], args: Any, *, zer
         inference_config["zero_allow_untested_optimizer"] = config.get("zero_allow_untested_optimizer", True)
         inference_config["zero_optimization"] = copy.deepcopy(config["zero_optimization"])
     remove_module_hooks(model)
-    engine, _, _, _ = deepspeed.initialize(
-        args=args,
-        config=inference_config,
-        model=model,
-        optimizer=None,
-        lr_scheduler=None,
-        model_parameters=[],
-        dist_init_required=False,
-    )
+    with zeropp.engine_group(inference_config):  # ZeRO++ hpZ: DeepSpeed's process-wide group made this config's
+        engine, _, _, _ = deepspeed.initialize(
+            args=args,
+            config=inference_config,
+            model=model,
+            optimizer=None,
+            lr_scheduler=None,
+            model_parameters=[],
+            dist_init_required=False,
+        )
     reset_zero3_trace_at_outer_forward_only(engine)
     return engine
 

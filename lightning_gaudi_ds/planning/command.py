@@ -38,18 +38,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--param-groups", type=int, default=1,
                         help="the optimizer's parameter groups (ZeRO-1/2 hold more through the step with >1)")
     parser.add_argument("--headroom", type=float, default=0.10, help="fraction of memory kept free (default 0.10)")
+    parser.add_argument("--hpz", action="store_true",
+                        help="ZeRO-3 rows with ZeRO++ hpZ: a secondary partition per node (zero_hpz_partition_size ="
+                             " devices per node); needs --nodes 2 or more")
     act = parser.add_argument_group("activations")
     act.add_argument("--measure-activations", action="store_true",
                      help="run one forward/backward of one micro batch on one device and add its peak")
     act.add_argument("--batch-size", type=int, default=1, help="micro batch for --hf-config (default 1)")
     act.add_argument("--seq-len", type=int, help="sequence length for --hf-config (default: the model's maximum)")
+    step = parser.add_argument_group("step time (--step-time)")
+    step.add_argument("--step-time", action="store_true",
+                      help="also predict samples/s per configuration (compute, communication, optimizer step)")
+    step.add_argument("--hardware", help="row of the step-time table: gaudi2, gaudi3, h100, cpu (this machine,"
+                      " benchmarks/hardware.py); default: by --device (hpu: gaudi2, cuda: h100, cpu: cpu)")
+    step.add_argument("--flops-per-sample", help="training FLOPs of one sample (default: 6 per parameter per token of"
+                      " --seq-len, the attention added for --hf-config)")
+    step.add_argument("--activation-checkpointing", action="store_true",
+                      help="the forward runs twice (the default FLOPs per sample x 4/3)")
+    step.add_argument("--efficiency", type=float, default=1.0,
+                      help="fraction of the peak FLOP/s the model's kernels reach (default 1: an upper bound)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
 
 
 # Options whose value may start with "-": argparse would take "-7e9" or "-24GiB" for an option ("expected one
 # argument"); joined as "--params=-7e9" they reach the checks below, which name what is allowed.
 _VALUE_OPTIONS = ("--params", "--hidden-size", "--devices", "--nodes", "--device-memory", "--host-memory",
-                  "--param-groups", "--headroom", "--batch-size", "--seq-len")
+                  "--param-groups", "--headroom", "--batch-size", "--seq-len", "--flops-per-sample", "--efficiency")
 # Whole-number options: (what the number means) for the message; each must be >= 1.
 _COUNTS = {"devices": "devices per node", "nodes": "nodes", "param_groups": "the optimizer's parameter groups",
            "hidden_size": "the model's hidden size", "batch_size": "samples per micro batch",
@@ -122,15 +136,16 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 nodes=args.nodes, precision=args.precision,
                 device_memory=device_memory or detect_device_memory(args.device),
                 host_memory=host_memory or detect_host_memory(), headroom=args.headroom,
-                activation_bytes=activations, param_groups=args.param_groups,
+                activation_bytes=activations, param_groups=args.param_groups, hpz=args.hpz,
             ))
 
         rows = plan(spec)
         note = bucket_note(spec, rows, plan) if spec.hidden_size is None else None
+        steps = step_times(args, rows, spec, module, device_type) if args.step_time else None
     except ValueError as err:
         raise _fail(str(err)) from None
     if args.json:
-        json.dump(rows, out, indent=1)
+        json.dump(rows if steps is None else {"memory": rows, "step_time": steps[0]}, out, indent=1)
         out.write("\n")
         if rows[0]["device_memory"] is None:
             sys.stderr.write(f"note: {NO_DEVICE_MEMORY}\n")
@@ -138,7 +153,45 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             sys.stderr.write(f"note: {note}\n")
     else:
         out.write(format_table(rows, spec.name) + (f"\n{note}" if note else "") + "\n")
+        if steps is not None:
+            out.write("\n" + steps[1] + "\n")
     return 0
+
+
+def step_times(args: argparse.Namespace, rows: list[dict[str, Any]], spec: Any, source: Any,
+               device_type: str) -> tuple[list[dict[str, Any]], str]:
+    """``--step-time``: the rows' predicted step (planning/steptime.py) and its table."""
+    import math
+
+    from lightning_gaudi_ds.planning import steptime
+
+    hardware = args.hardware or steptime.hardware_for(device_type)
+    if hardware not in steptime.HARDWARE:
+        raise PlanError(f"--hardware {hardware!r} is not in the step-time table. Allowed:"
+                         f" {', '.join(steptime.HARDWARE)}")
+    if not (math.isfinite(args.efficiency) and 0 < args.efficiency <= 1):
+        raise PlanError(f"argument --efficiency: {args.efficiency} is not allowed; pass a fraction in (0, 1] of the"
+                         " peak FLOP/s (default 1)")
+    seq = args.seq_len or 1
+    if args.flops_per_sample is not None:
+        try:
+            flops = float(args.flops_per_sample)
+        except ValueError:
+            flops = -1.0
+        if not (math.isfinite(flops) and flops > 0):
+            raise PlanError(f"argument --flops-per-sample: {args.flops_per_sample!r} is not allowed; pass a number"
+                             " > 0, e.g. 1.3e13")
+    elif args.hf_config is not None:
+        layers = int(getattr(source, "num_hidden_layers", 0) or getattr(source, "n_layer", 0) or 0)
+        hidden = int(getattr(source, "hidden_size", 0) or getattr(source, "n_embd", 0) or 0)
+        seq = args.seq_len or int(getattr(source, "max_position_embeddings", 0) or getattr(source, "n_positions", 0)
+                                  or 1024)
+        flops = steptime.transformer_flops_per_sample(spec.params, layers, hidden, seq, args.activation_checkpointing)
+    else:
+        flops = 6.0 * spec.params * seq * (4 / 3 if args.activation_checkpointing else 1)
+    workload = steptime.Workload(spec.params, flops, args.batch_size, args.precision)
+    steps = steptime.plan_step_times(rows, workload, hardware, args.efficiency)
+    return steps, steptime.format_step_table(steps, workload, hardware, args.efficiency)
 
 
 def _fastest_fitting(rows: Sequence[dict[str, Any]]) -> str:

@@ -30,6 +30,7 @@ class PlanInputs:
     headroom: float = DEFAULT_HEADROOM
     activation_bytes: int | None = None
     param_groups: int = 1
+    hpz: bool = False  # ZeRO-3 rows with hpZ (zero_hpz_partition_size = devices per node)
 
     @classmethod
     def build(cls, spec: ModelSpec, *, device_type: str, zero_config: Mapping[str, Any] | None = None,
@@ -54,5 +55,5 @@ def plan_rows(inputs: PlanInputs,
         optimizer=inputs.optimizer, device_memory=inputs.device_memory, host_memory=inputs.host_memory,
         headroom=inputs.headroom, activation_bytes=inputs.activation_bytes, buckets=inputs.buckets,
         param_groups=inputs.param_groups, configurations=configurations, device_type=inputs.device_type,
-        fused_optimizer=inputs.fused_optimizer,
+        fused_optimizer=inputs.fused_optimizer, hpz=inputs.hpz,
     )

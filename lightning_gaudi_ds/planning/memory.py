@@ -27,16 +27,16 @@ elements), and with several parameter groups ZeRO-1/2 keep their low-precision g
 group has stepped. The device peak is the larger of backward (states at rest + buffers + activations) and the
 step (states inside it + temporaries).
 
-Bytes sent per rank per step assume ring collectives (NCCL, HCCL): an all-reduce of M bytes sends
-2M(N-1)/N, a reduce-scatter or all-gather M(N-1)/N. ZeRO-0 all-reduces gradients; ZeRO-1/2 all-reduce the
-gradient buckets (DeepSpeed's default ``use_multi_rank_bucket_allreduce``) and all-gather the updated
-parameters; ZeRO-3 all-gathers parameters in forward and again in backward and reduce-scatters gradients.
-ZeRO-1/2 reduce each gradient slice to its owner instead of all-reducing it where the config says so
-(``reduce_scatter`` on, ``use_multi_rank_bucket_allreduce`` off: the strategy's CPU and CUDA default; on HPU
-it all-reduces, Habana's configs; :meth:`Buckets.for_model` reads the device table), which
-sends 2M(N-1)/N in all, as DDP does. ZeRO-3 and the offload paths are upper bounds: DeepSpeed keeps gathered
-parameters through backward while they are within ``stage3_max_reuse_distance``, and ZeRO-Offload's gradient
-path may reduce to the owner too.
+Bytes on the wire per step come from :mod:`lightning_gaudi_ds.planning.wire` (the theory ``benchmarks/wire.py``
+holds against two hosts' link counters): ``comm_bytes`` is what one rank sends under ring collectives (NCCL, HCCL;
+an all-reduce of M bytes sends 2M(N-1)/N, a reduce-scatter or all-gather M(N-1)/N), ``inter_node_bytes`` what
+each node sends to the others under the device's own algorithm (gloo on CPU). ZeRO-1/2 reduce each gradient
+slice to its owner where the config says so (``reduce_scatter`` on, ``use_multi_rank_bucket_allreduce`` off: the
+strategy's CPU and CUDA default; on HPU they all-reduce, Habana's configs; :meth:`Buckets.for_model` reads the
+device table). ZeRO-3 counts the backward all-gather: an upper bound, since DeepSpeed keeps gathered parameters
+through backward while they are within ``stage3_max_reuse_distance``. With hpZ (``zero_hpz_partition_size`` =
+devices per node) the backward all-gather stays inside each node, and every rank holds a secondary partition of
+the parameters, ``p / devices`` per parameter (``ds_secondary_tensor``, on the host with parameter offload).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_gaudi_ds.errors import PlanError
+from lightning_gaudi_ds.planning import wire
 from lightning_gaudi_ds.planning.buckets import bucket_sizes
 from lightning_gaudi_ds.planning.units import format_bytes
 from lightning_gaudi_ds.precisions import HALF_PRECISIONS, PRECISIONS
@@ -184,6 +185,7 @@ class PlanRow:
     backward_peak_bytes: int  # device: states at the step's entry + transient + activations
     step_peak_bytes: int  # device: states inside the step + the optimizer's temporaries
     comm_bytes: int  # sent per rank per optimizer step (ring collectives)
+    inter_node_bytes: int  # sent by each node to the others per optimizer step (the device's algorithm)
     device_parts: dict[str, int] = field(default_factory=dict)
     host_parts: dict[str, int] = field(default_factory=dict)
     label: str = ""
@@ -208,8 +210,8 @@ def optimizer_state_bytes(optimizer: str) -> float:
     return OPTIMIZER_STATE_BYTES[key]
 
 
-def label(stage: int, offload_optimizer: bool, offload_parameters: bool) -> str:
-    text = f"ZeRO-{stage}"
+def label(stage: int, offload_optimizer: bool, offload_parameters: bool, hpz: bool = False) -> str:
+    text = f"ZeRO-{stage}" + (" + hpZ" if hpz and stage == 3 else "")
     if offload_parameters:
         return text + " + offload optimizer & params"
     return text + (" + offload optimizer" if offload_optimizer else "")
@@ -315,16 +317,22 @@ def paper_split(stage: int, precision: str, world_size: int, offload_parameters:
 def comm_bytes_per_param(
     stage: int, precision: str, world_size: int, reduce_to_owner: bool = True, offload_optimizer: bool = False
 ) -> float:
-    """Bytes one rank sends per trainable parameter per optimizer step (ring collectives); for ZeRO-3 and
-    ZeRO-Offload an upper bound (see the module docstring)."""
+    """Bytes one rank sends per trainable parameter per optimizer step under ring collectives, all ranks on one
+    host (:func:`lightning_gaudi_ds.planning.wire.step_traffic`); for ZeRO-3 an upper bound (see the module
+    docstring). ``offload_optimizer`` changes no collective (measured: benchmarks/README.md, section 6)."""
+    from lightning_gaudi_ds.planning.wire import step_traffic
+
     if world_size <= 1:
         return 0.0
-    p, f = bytes_per_param(precision), (world_size - 1) / world_size
-    if stage == 0:
-        return 2 * f * p
-    if stage in (1, 2):
-        return (2 if reduce_to_owner and not offload_optimizer else 3) * f * p
-    return 3 * f * p
+    return step_traffic(stage, 1.0, world_size, precision=precision, reduce_to_owner=reduce_to_owner).sent_per_rank
+
+
+def check_hpz(hpz: bool, devices: int, nodes: int) -> None:
+    """hpZ (a secondary partition per node) needs several nodes of several devices."""
+    if hpz and (nodes < 2 or devices < 2):
+        raise PlanError(f"hpz=True needs 2 or more nodes of 2 or more devices each (here {nodes} node(s) of {devices}"
+                         " device(s)): its secondary partition is the devices of one node, and it saves inter-node"
+                         " bytes only")
 
 
 def plan_memory(
@@ -343,6 +351,7 @@ def plan_memory(
     configurations: Sequence[tuple[int, bool, bool]] = CONFIGURATIONS,
     device_type: str | None = None,
     fused_optimizer: bool | None = None,
+    hpz: bool = False,
 ) -> list[dict[str, Any]]:
     """Predicted bytes per rank for ZeRO stages 0-3 with and without offload, fastest configuration first.
 
@@ -362,6 +371,8 @@ def plan_memory(
             through the step).
         fused_optimizer: whether the optimizer steps with torch's fused kernel (no temporaries); default: as the
             strategy decides for ``optimizer`` on ``device_type`` (:func:`~lightning_gaudi_ds.devices.fuses_adam`).
+        hpz: the ZeRO-3 rows with ZeRO++'s hierarchical partitioning (``zero_hpz_partition_size`` = ``devices``):
+            each rank holds a secondary partition of the parameters, and the backward all-gather stays in the node.
 
     The device peak is the larger of two moments: backward (the states at the step's entry, DeepSpeed's
     buckets and gathered parameters, the activations) and the optimizer step (the states inside it and the
@@ -389,6 +400,7 @@ def plan_memory(
         from lightning_gaudi_ds.devices import fuses_adam
 
         fused_optimizer = fuses_adam(device_type, optimizer)
+    check_hpz(hpz, devices, nodes)
     world = devices * nodes
     psi = float(spec.params)
     frozen = spec.frozen_params / psi if psi else 0.0
@@ -396,6 +408,9 @@ def plan_memory(
     rows = []
     for stage, off_opt, off_par in configurations:
         dev, host = model_states(stage, precision, world, off_opt, off_par, optimizer, frozen, param_groups)
+        stage_hpz = hpz and stage == 3
+        if stage_hpz:  # the secondary partition (ds_secondary_tensor): the parameters split over one node's ranks
+            (host if off_par else dev).params += p * (1 + frozen) / devices
         dev_parts = {k: int(round(v * psi)) for k, v in asdict(dev).items()}
         host_parts = {k: int(round(v * psi)) for k, v in asdict(host).items()}
         transient = _transient_bytes(stage, off_opt, spec, buckets, p, world)
@@ -411,6 +426,9 @@ def plan_memory(
         step_peak = dev_states + temporaries
         device_bytes = max(backward_peak, step_peak)
         comm_per_param = comm_bytes_per_param(stage, precision, world, buckets.reduce_to_owner, off_opt)
+        inter_node = wire.step_traffic(stage, psi, world, devices, wire.DEVICE_ALGORITHM.get(device_type, "ring"),
+                                       precision, reduce_to_owner=buckets.reduce_to_owner,
+                                       hpz=stage_hpz).inter_host_per_host if nodes > 1 else 0.0
         host_node = host_states * devices
         fits_dev = None if dev_mem is None else device_bytes <= dev_mem * (1 - headroom)
         fits_host = None if host_mem is None else host_node <= host_mem * (1 - headroom)
@@ -421,14 +439,14 @@ def plan_memory(
             model_state_bytes=dev_states + host_states, device_model_state_bytes=dev_states,
             host_bytes_per_rank=host_states, transient_bytes=transient, activation_bytes=activation_bytes,
             step_temporary_bytes=temporaries, backward_peak_bytes=backward_peak, step_peak_bytes=step_peak,
-            comm_bytes=int(round(comm_per_param * psi)),
-            device_parts=dev_parts, host_parts=host_parts, label=label(stage, off_opt, off_par),
+            comm_bytes=int(round(comm_per_param * psi)), inter_node_bytes=int(round(inter_node)),
+            device_parts=dev_parts, host_parts=host_parts, label=label(stage, off_opt, off_par, stage_hpz),
         ).to_dict())
     for row in rows:
         row.update(params=spec.params, frozen_params=spec.frozen_params, world_size=world, devices=devices,
                    nodes=nodes, precision=precision, optimizer=optimizer, device_memory=dev_mem,
                    host_memory=host_mem, headroom=headroom, buckets=asdict(buckets), device_type=device_type,
-                   fused_optimizer=fused_optimizer)
+                   fused_optimizer=fused_optimizer, hpz=hpz)
     return rows
 
 
@@ -527,8 +545,10 @@ def format_table(rows: Sequence[dict[str, Any]], name: str = "") -> str:
             + f", {r0['world_size']} rank(s) ({r0['devices']} device(s) x {r0['nodes']} node(s)), {r0['precision']},"
             f" {r0['optimizer']}; device memory {fb(r0['device_memory'])}, host memory {fb(r0['host_memory'])}/node,"
             f" {r0['headroom']:.0%} kept free\n" + assumed_line(r0))
-    cols = ("configuration", "device/rank", "peak in", "params", "grads", "optim", "buffers", "transient",
-            "step temps", "host/node", "fits", "sent/rank/step")
+    multi_node = r0["nodes"] > 1
+    cols: tuple[str, ...] = ("configuration", "device/rank", "peak in", "params", "grads", "optim", "buffers",
+                             "transient", "step temps", "host/node", "fits", "sent/rank/step")
+    cols += ("sent/node/step",) if multi_node else ()
     table = [cols]
     for r in rows:
         d = r["device_parts"]
@@ -536,9 +556,11 @@ def format_table(rows: Sequence[dict[str, Any]], name: str = "") -> str:
         if r["fits"] is False and r["fits_device"]:
             fits = "no (host)"
         phase = "backward" if r["backward_peak_bytes"] >= r["step_peak_bytes"] else "step"
-        table.append((r["label"], fb(r["device_bytes"]), phase, fb(d["params"]), fb(d["grads"]), fb(d["optimizer"]),
-                      fb(d["buffers"]), fb(r["transient_bytes"]), fb(r["step_temporary_bytes"]), fb(r["host_bytes"]),
-                      fits, fb(r["comm_bytes"])))
+        row_cells: tuple[str, ...] = (
+            r["label"], fb(r["device_bytes"]), phase, fb(d["params"]), fb(d["grads"]), fb(d["optimizer"]),
+            fb(d["buffers"]), fb(r["transient_bytes"]), fb(r["step_temporary_bytes"]), fb(r["host_bytes"]), fits,
+            fb(r["comm_bytes"]))
+        table.append(row_cells + ((fb(r["inter_node_bytes"]),) if multi_node else ()))
     widths = [max(len(str(row[i])) for row in table) for i in range(len(cols))]
     lines = [head, ""]
     for i, row in enumerate(table):
@@ -554,6 +576,11 @@ def format_table(rows: Sequence[dict[str, Any]], name: str = "") -> str:
               f" {b['stage3_param_persistence_threshold']:,}; overlap_comm {b['overlap_comm']}",
               "activations: " + (f"{fb(act)} (measured, one micro batch) included" if act is not None
                                  else "not included (use --measure-activations)")]
+    if multi_node:
+        lines.append(f"sent/node/step: bytes each node sends to the others per optimizer step"
+                     f" ({wire.DEVICE_ALGORITHM.get(r0['device_type'], 'ring')} collectives, ZeRO-3 counting the"
+                     " backward all-gather)" + ("; hpZ: the secondary partition counted in params" if r0.get("hpz")
+                                                else ""))
     fastest = fastest_fitting(rows)
     if fastest is not None:
         lines.append(f"fastest that fits: {fastest['label']}")

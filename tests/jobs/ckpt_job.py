@@ -19,6 +19,10 @@ is still ``epoch_steps`` optimizer steps),
 ``kill_at_save: N`` SIGKILLs rank ``kill_rank`` during its N-th checkpoint save of that fit, after the
 model-state file and before its ZeRO optimizer shard is written: a deterministic half-written checkpoint.
 
+``hpz: true`` trains with ZeRO++ hpZ (``HPUDeepSpeedStrategy(stage=3, hpz=True)``), ``zero`` adds
+``zero_optimization`` keys (a config dict then drives the strategy), and ``wire: [start, steps]`` marks those steps for
+the link counters read outside the job (``WireWindow``, ``--wire-dir``; tests/multinode/wire.py).
+
 Each rank writes ``<out>/rank<N>.json``: per fit the loss, learning rate and epoch of every global step,
 the model's outputs on a probe input and an optimizer-state fingerprint at train start and end, and the
 checkpoint callback's paths.
@@ -36,7 +40,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import RegressionModel, job_parser, make_data, mark_first_step, write_result
+from common import RegressionModel, WireWindow, job_parser, make_data, mark_first_step, write_result
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -117,6 +121,18 @@ class Recorder(L.Callback):
 
             engine._save_zero_checkpoint = save_zero
 
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if "partition" in self.info:
+            return
+        # ZeRO-3: each rank's partition, and hpZ's secondary partition (built in forward, dropped by the step)
+        params = [p for p in pl_module.parameters() if getattr(p, "ds_tensor", None) is not None]
+        secondary = [p.ds_secondary_tensor for p in params if getattr(p, "ds_secondary_tensor", None) is not None]
+        self.info["partition"] = {"primary_numel": sum(p.ds_tensor.numel() for p in params),
+                                  "secondary_numel": sum(t.numel() for t in secondary),
+                                  "secondary_params": len(secondary),
+                                  "params_numel": sum(int(p.ds_numel) for p in params),
+                                  "persistent_numel": sum(int(p.ds_numel) for p in params if p.ds_persist)}
+
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.info.setdefault("validation_start", {"outputs": self._outputs(pl_module)})
 
@@ -134,6 +150,7 @@ DEFAULTS: dict[str, Any] = {
     "predict": False,  # trainer.predict(ckpt_path=...) with tensor-parallel serving instead of fit
     "load_weights_only": None, "expect_error": False,
     "sampler": None, "accumulate": 1, "resume_data_position": True, "iterable": False,
+    "hpz": False, "zero": None, "wire": None,  # ZeRO++ hpZ, zero_optimization keys, a window for link counters
 }
 
 
@@ -171,12 +188,13 @@ def make_sampler(kind: str | None, data: Any) -> Any:
     return Reversed(data) if kind == "reversed" else None
 
 
-def fit(spec: dict[str, Any], devices: int, pg_timeout: float, num_nodes: int = 1) -> dict[str, Any]:
+def fit(spec: dict[str, Any], devices: int, pg_timeout: float, num_nodes: int = 1, wire_dir: str | None = None
+        ) -> dict[str, Any]:
     """One Trainer.fit as described by ``spec`` (keys of DEFAULTS plus ``name`` and ``dir``)."""
     spec = {**DEFAULTS, **spec}
     if spec["expect_error"]:
         try:
-            return {"returned": fit({**spec, "expect_error": False}, devices, pg_timeout, num_nodes)}
+            return {"returned": fit({**spec, "expect_error": False}, devices, pg_timeout, num_nodes, wire_dir)}
         except Exception as err:  # noqa: BLE001  (the test reads what was raised)
             return {"error": type(err).__name__, "bases": [c.__name__ for c in type(err).__mro__],
                     "message": str(err)}
@@ -192,13 +210,18 @@ def fit(spec: dict[str, Any], devices: int, pg_timeout: float, num_nodes: int = 
     recorder = Recorder(spec["kill_at_save"], spec["kill_rank"])
     serving = {"tensor_parallel": {"tp_size": devices}} if spec["predict"] else {
         "stage": spec["stage"], "resume_data_position": spec["resume_data_position"]}
+    if spec["hpz"]:
+        serving["hpz"] = True
+    if spec["zero"]:
+        serving["config"] = {"zero_optimization": {"stage": spec["stage"], **spec["zero"]}}
     strategy = HPUDeepSpeedStrategy(**serving, timeout=timedelta(seconds=pg_timeout))
+    windows = [WireWindow(wire_dir, spec["name"], *spec["wire"])] if spec["wire"] and wire_dir else []
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, precision=spec["precision"],
         max_steps=spec["max_steps"], accumulate_grad_batches=spec["accumulate"],
         limit_val_batches=2 if spec["validate"] else 0, num_sanity_val_steps=0,
         logger=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoint, recorder],
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoint, recorder, *windows],
     )
     per_rank_batch = BATCH * 2 // (devices * num_nodes)  # the same global batch on 1 and 2 ranks
     started = time.monotonic()
@@ -232,11 +255,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plan", required=True, help="JSON list of fit specs (see DEFAULTS), run in order")
     parser.add_argument("--pg-timeout", type=float, default=60, help="process-group timeout, seconds")
     parser.add_argument("--num-nodes", type=int, default=1, help="nodes of the job (the multi-node tier)")
+    parser.add_argument("--wire-dir", default=None, help="folder of the link-counter windows' marks (spec 'wire')")
     args = parser.parse_args(argv)
     mark_first_step()  # timed suite only (benchmarks/suite.py)
 
     torch.set_num_threads(1)
-    results = {spec["name"]: fit(spec, args.devices, args.pg_timeout, args.num_nodes)
+    results = {spec["name"]: fit(spec, args.devices, args.pg_timeout, args.num_nodes, args.wire_dir)
                for spec in json.loads(args.plan)}
     local = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))
     rank = os.environ.get("RANK", "0") if args.num_nodes > 1 else local

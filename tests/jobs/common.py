@@ -232,3 +232,33 @@ def write_result(out: str | Path, rank: int, result: dict[str, Any]) -> None:
     result = {**result, "host": socket.gethostname()}
     (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=repr))
     print(f"rank {rank} done pid={os.getpid()}", flush=True)
+
+
+class WireWindow(L.Callback):
+    """A window of ``steps`` training steps after the first ``start`` (at least 1), marked for the link counters read
+    outside the job (tests/multinode/wire.py): after step ``start`` and after the window's last step, every rank waits
+    in a barrier while rank 0 writes ``<folder>/<name>.<phase>.ready`` and waits (up to ``timeout`` s) for
+    ``<name>.<phase>.go``. Callbacks that time steps go before it in the Trainer's list."""
+
+    def __init__(self, folder: str | Path, name: str, start: int, steps: int, timeout: float = 120) -> None:
+        self.folder, self.name, self.start, self.steps, self.timeout = Path(folder), name, start, steps, timeout
+
+    def _mark(self, trainer: L.Trainer, phase: str) -> None:
+        import time
+
+        trainer.strategy.barrier()
+        if trainer.global_rank == 0:
+            (self.folder / f"{self.name}.{phase}.ready").write_text(str(time.time()))
+            go, deadline = self.folder / f"{self.name}.{phase}.go", time.monotonic() + self.timeout
+            while not go.exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no answer to {go.name} within {self.timeout} s (no counter reader running?)")
+                time.sleep(0.01)
+        trainer.strategy.barrier()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        # both marks at the end of a step (the warm-up's last, the window's last): the window's steps are whole
+        if trainer.global_step == self.start:
+            self._mark(trainer, "start")
+        elif trainer.global_step == self.start + self.steps:
+            self._mark(trainer, "end")

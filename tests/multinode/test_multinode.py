@@ -8,40 +8,22 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.multinode.cluster import Cluster
-from tests.procs import JOBS, JobResult, LiveJob, free_port
+from tests.multinode.launch import finish, spawn
+from tests.procs import JOBS, free_port
 
 pytestmark = [pytest.mark.multinode, pytest.mark.multiprocess]
 
 HERE = Path(__file__).resolve().parent
 ARGV_JOB = str(HERE / "argv_job.py")
 TRAIN = str(JOBS / "train_job.py")
-JOB_TIMEOUT_S = 300
 LOSSES: dict[str, dict[str, list[list[float]]]] = {}  # layout -> launcher -> per-rank losses, compared across launchers
 TIMINGS: dict[str, float] = {}
-
-
-def spawn(cluster: Cluster, host: int, *args: str, env: dict[str, str] | None = None,
-          cwd: Path | None = None) -> LiveJob:
-    """``lightning-gaudi-ds spawn ARGS`` started on host ``host``."""
-    argv = [*cluster.hosts[host].enter(cwd or cluster.root), sys.executable, "-m", "lightning_gaudi_ds", "spawn", *args]
-    return LiveJob(argv, env={**cluster.env(), **(env or {})}, cwd=cwd or cluster.root)
-
-
-def finish(cluster: Cluster, *jobs: LiveJob, timeout: float = JOB_TIMEOUT_S, settle: float = 15.0) -> list[JobResult]:
-    """Wait for the jobs, then require that no process is left on either host (but the sshd listeners)."""
-    results = [job.wait(timeout) for job in jobs]
-    left = cluster.wait_clean(settle)
-    for result in results:
-        assert not result.timed_out, f"job timed out after {result.seconds:.0f}s:\n{result.output[-4000:]}"
-    assert not left, f"processes left behind: {left}\n{results[0].output[-3000:]}"
-    return results
 
 
 def train_args(out: Path, *extra: str, devices: int = 1) -> list[str]:
