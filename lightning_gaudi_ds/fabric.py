@@ -26,6 +26,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_gaudi_ds import checkpoint as ckpt
@@ -37,6 +38,7 @@ from lightning_gaudi_ds.engine import checkpointing, inference, process, train
 from lightning_gaudi_ds.engine.device import reduce_on_device
 from lightning_gaudi_ds.engine.step import engine_call
 from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV
+from lightning_gaudi_ds.sequence import SequenceParallel
 from lightning_gaudi_ds.strategy import HPUDeepSpeedStrategy as TrainerStrategy
 
 if TYPE_CHECKING:
@@ -73,6 +75,7 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
                 "resume_data_position=False: Fabric has no fit loop whose data position the strategy restores (your"
                 " loop reads its loader; keep the step in the state you fabric.save and skip to it). Remove it."
             )
+        sequence = [arguments.pop(name) for name in _SEQUENCE]  # sequence parallelism
         own = {name: arguments.pop(name) for name in _PACKAGE_ONLY}
         leaf_modules = own.pop("zero3_leaf_modules")
         # Created before Fabric's __init__, which loads the config through _load_config.
@@ -82,12 +85,16 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
                               number_checkpoints=own["number_checkpoints"], hpu_mode=own["hpu_mode"],
                               torch_compile=own["torch_compile"], zero3_leaf_modules=leaf_modules)
         self._unresolved: ConfigError | None = None  # set up before the model: what only the model can resolve
+        self._sequence = SequenceParallel.create(sequence[0], sequence[1], self.config)  # sequence parallelism
+        self._resolver.sequence_parallel_size = self._sequence.size
 
     # ----------------------------------------------------------------------------------------- set-up
     @override
     def _configure_launcher(self) -> None:
         # Called by Fabric's constructor once accelerator and precision are known: checked before any process starts.
         process.before_launch(self, self._runtime, self._resolver, self.precision.precision)
+        assert self.parallel_devices is not None
+        self._sequence.before_launch(len(self.parallel_devices) * self.num_nodes)  # sequence parallelism
         super()._configure_launcher()
         process.after_launcher(self._launcher, self._runtime)
 
@@ -103,6 +110,7 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         process.start_distributed(self, self._runtime, set_world_ranks=self._set_world_ranks,
                                   init=self._init_deepspeed_distributed, offload=offloads_optimizer(self.config),
                                   shm_comm=mode)
+        self._sequence.start()  # sequence parallelism: its process groups
         self._format_config()
         self._config_initialized = True
 
@@ -146,6 +154,7 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
             optimizer, _ = train.optimizer_sources(self.config, optimizer, None, device_type, rank_zero_info,
                                                    fabric=True)
         self._runtime.before_engine(model, self.root_device)
+        self._sequence.wrap(model)  # sequence parallelism: the all-to-all around attention
         engine, ds_optimizer, ds_scheduler = process.initialize(
             self, process.deepspeed_args(self.root_device, self.local_rank), model, optimizer, scheduler
         )
@@ -164,7 +173,19 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         # partitions (lightning_gaudi_ds.hf).
         if self._unresolved is not None and self.zero_stage_3:
             raise self._unresolved
-        return process.zero_init_context(self.config if self.zero_stage_3 else None, super().module_sharded_context)
+        start = functools.partial(self._sequence.sharded_context, super().module_sharded_context,  # mpu for zero.Init
+                                  self.config, self.remote_device, enabled=self.zero_stage_3)
+        return process.zero_init_context(self.config if self.zero_stage_3 else None, start)
+
+    # ------------------------------------------------ sequence parallelism: what the loaders give each rank
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self._sequence.sampler_kwargs(super().distributed_sampler_kwargs)  # a group reads the same samples
+
+    @override
+    def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
+        return self._sequence.process_dataloader(super().process_dataloader(dataloader))  # batches split
 
     # ------------------------------------------ engine calls: HPU lazy-mode graph breaks (engine.step)
     backward = engine_call(DeepSpeedStrategy.backward)
@@ -237,6 +258,7 @@ _INFERENCE_ONLY = ("tensor_parallel", "dtype", "replace_with_kernel_inject", "in
                    "enable_cuda_graph")
 _PACKAGE_ONLY = ("device_memory", "measure_activations", "hpu_mode", "torch_compile", "number_checkpoints",
                  "zero3_leaf_modules")
+_SEQUENCE = ("sequence_parallel_size", "sequence_parallel_modules")
 _FABRIC_OPT_IN = "pass `weights_only=False` to fabric.load"
 
 

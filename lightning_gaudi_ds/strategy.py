@@ -44,6 +44,7 @@ from lightning_gaudi_ds.engine.device import reduce_on_device
 from lightning_gaudi_ds.engine.step import engine_call, third_party_deprecations_silenced
 from lightning_gaudi_ds.errors import ConfigError
 from lightning_gaudi_ds.jit_ops.startup import SHM_MODE_ENV
+from lightning_gaudi_ds.sequence import SequenceParallel
 
 if TYPE_CHECKING:
     import deepspeed
@@ -88,6 +89,13 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
             one it consumed, the train loader skipping the epoch's first batches by sampler index (default);
             ``False``: Lightning's behaviour, a plain DataLoader re-reads the epoch from its start. See
             :mod:`lightning_gaudi_ds.checkpoint.data_position`.
+        sequence_parallel_size: DeepSpeed-Ulysses sequence parallelism: ``K`` ranks share each sequence, each holding
+            ``1/K`` of it (the batch is split along the sequence, attention runs after an all-to-all on ``1/K`` of the
+            heads); ``world / K`` sequences train at once. Default: the config's ``sequence_parallel_size``, else 1.
+            Hugging Face models need nothing else; see :mod:`lightning_gaudi_ds.sequence`.
+        sequence_parallel_modules: with ``sequence_parallel_size``, your own attention module classes (or import
+            paths): modules whose forward takes query, key and value of shape (batch, heads, sequence, head size)
+            first and returns the attention output so shaped.
         **kwargs: every other argument of :class:`lightning.pytorch.strategies.DeepSpeedStrategy`.
     """
 
@@ -118,6 +126,8 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         enable_cuda_graph: bool | None = None,
         zero3_leaf_modules: Sequence[type[Module] | str] | None = None,
         resume_data_position: bool = True,
+        sequence_parallel_size: int | None = None,
+        sequence_parallel_modules: Sequence[type[Module] | str] | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(resume_data_position, bool):
@@ -151,6 +161,10 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
             self._inference_config, self._resolver.zero_arguments, self.config,
         )
         self._inference_dtype: torch.dtype | None = None
+        # sequence parallelism (lightning_gaudi_ds.sequence)
+        self._sequence = SequenceParallel.create(sequence_parallel_size, sequence_parallel_modules, self.config,
+                                                 serving=self._inference is not None)
+        self._resolver.sequence_parallel_size = self._sequence.size
         self._preemption = resume.PreemptionWatch()
         self.resume_data_position = resume_data_position
 
@@ -166,6 +180,7 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         assert self.parallel_devices is not None
         self._inference_dtype = inference.before_launch(self._inference, self.parallel_devices, self.num_nodes,
                                                         self.precision_plugin.precision)
+        self._sequence.before_launch(len(self.parallel_devices) * self.num_nodes)  # sequence parallelism
         super()._configure_launcher()
         process.after_launcher(self._launcher, self._runtime)
 
@@ -173,6 +188,7 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
     def setup_environment(self) -> None:
         # A copy of Lightning 2.6.6's without its CUDA-only gate; Trainer flags checked and the device prepared first.
         check_trainer(attached_trainer(self.lightning_module), serving=self._inference is not None)
+        self._sequence.check_trainer(attached_trainer(self.lightning_module))  # sequence parallelism
         process.prepare_device(self, self._runtime, self._select_deepspeed_accelerator, self.set_world_ranks)
         DDPStrategy.setup_environment(self)
 
@@ -182,6 +198,7 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         mode = inference.shm_comm_mode(self._inference, self.world_size, os.environ.get(SHM_MODE_ENV))
         process.start_distributed(self, self._runtime, set_world_ranks=self.set_world_ranks, shm_comm=mode,
                                   init=self._init_deepspeed_distributed, offload=offloads_optimizer(self.config))
+        self._sequence.start()  # sequence parallelism: its process groups
 
     @override
     def _init_deepspeed_distributed(self) -> None:
@@ -197,6 +214,7 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._runtime.before_engine(self.lightning_module, self.root_device)
+        self._sequence.wrap(trainer.lightning_module)  # sequence parallelism: the all-to-all around attention
         with third_party_deprecations_silenced():
             super().setup(trainer)
 
@@ -206,7 +224,9 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
         # Lightning's zero.Init, with transformers told (from_pretrained loads into the partitions, see hf); resolved
         # first, so that transformers is imported, if at all, before zero.Init patches module construction.
         self._init_config_if_needed()
-        with process.zero_init_context(self.config if self.zero_stage_3 else None, super().model_sharded_context):
+        start = functools.partial(self._sequence.sharded_context, super().model_sharded_context,  # mpu for zero.Init
+                                  self.config, self.remote_device, enabled=self.zero_stage_3)
+        with process.zero_init_context(self.config if self.zero_stage_3 else None, start):
             yield
 
     def _deepspeed_args(self) -> argparse.Namespace:
@@ -248,6 +268,11 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
     validation_step = engine_call(DeepSpeedStrategy.validation_step, evaluation=True)
     test_step = engine_call(DeepSpeedStrategy.test_step, evaluation=True)
     predict_step = engine_call(DeepSpeedStrategy.predict_step, evaluation=True)
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        # sequence parallelism: this rank's part of every sequence
+        return self._sequence.shard(super().batch_to_device(batch, device, dataloader_idx))
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None,
@@ -322,8 +347,8 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, int]:
-        if self._inference is None:
-            return super().distributed_sampler_kwargs
+        if self._inference is None:  # with sequence parallelism, the K ranks of a group read the same samples
+            return self._sequence.sampler_kwargs(super().distributed_sampler_kwargs)
         return inference.sampler_kwargs(self.world_size, self.global_rank, self._inference.tp_size)
 
     @override

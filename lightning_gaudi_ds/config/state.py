@@ -54,6 +54,8 @@ class StrategyConfig(ConfigResolver):
         # What the last resolution was made for: the Trainer (weakly: an id is reused after garbage collection),
         # its TrainerFn and whether the module had parameters yet.
         self._for: tuple[weakref.ref[pl.Trainer] | None, Any, bool] | None = None
+        # Ranks per sequence (the strategy's sequence parallelism): DeepSpeed's data-parallel world is world / K.
+        self.sequence_parallel_size = 1
 
     @classmethod
     def from_arguments(
@@ -174,7 +176,8 @@ class StrategyConfig(ConfigResolver):
         )
         spec = device_spec(strategy.root_device) if strategy.parallel_devices else None
         return self.resolve(config, AutoContext(
-            world_size=strategy.world_size, precision=precision, hidden_size=hidden,
+            world_size=max(1, strategy.world_size // self.sequence_parallel_size),  # sequences trained at once
+            precision=precision, hidden_size=hidden,
             device_type=spec.device_type if spec is not None else None,
             zero_defaults=spec.zero_defaults if spec is not None else {}, **facts,
         ))

@@ -42,6 +42,7 @@ from lightning_gaudi_ds.launch.environments import (
     resolve_environment,
 )
 from lightning_gaudi_ds.launch.rendezvous import bounded_rendezvous, waiting_message
+from lightning_gaudi_ds.sequence import SequenceParallel
 
 _P = ParamSpec("_P")
 _S = TypeVar("_S")
@@ -93,6 +94,7 @@ class StrategyCommon:
     config: Any
     zero_stage_3: bool
     _resolver: StrategyConfig
+    _sequence: SequenceParallel
 
     def _adopt_arguments(
         self, *, config: Any, offload_parameters: bool, number_checkpoints: int | None, hpu_mode: hpu.Mode | None,
@@ -130,9 +132,16 @@ class StrategyCommon:
                            f" {self.config['zero_optimization']['stage']}: leaf modules matter only under ZeRO-3"
                            " (stage=3), where they are gathered whole. Drop the argument, or run stage 3.")
 
+    @property
+    def sequence_parallel(self) -> SequenceParallel:
+        """Sequence parallelism (``sequence_parallel_size``): its size, this rank's groups once started, and
+        ``shard(batch)`` for batches the strategy does not see (see :mod:`lightning_gaudi_ds.sequence`)."""
+        return self._sequence
+
     def teardown(self) -> None:
         super().teardown()  # type: ignore[misc]
         self._runtime.teardown()
+        self._sequence.teardown()  # sequence parallelism: the model's attention as it was
 
 
 def zero_init_context(config: dict[str, Any] | None, start: Callable[[], AbstractContextManager[Any]]) -> ExitStack:
@@ -260,7 +269,7 @@ def initialize(
 ) -> tuple[Any, Any, Any]:
     """``deepspeed.initialize`` for ``strategy`` -> ``(engine, optimizer, lr_scheduler)``: ZeRO-3's leaf modules
     marked, a copy of its config (DeepSpeed 0.16, Habana's fork, pops keys out of the dict it is given) and the
-    variables DeepSpeed reads set for the call."""
+    variables DeepSpeed reads set for the call; sequence parallelism's groups as its ``mpu``."""
     import deepspeed
 
     strategy._mark_leaf_modules(model)
@@ -274,7 +283,9 @@ def initialize(
             optimizer=optimizer,
             lr_scheduler=lr_scheduler,
             dist_init_required=False,
+            mpu=strategy._sequence.mpu,  # sequence parallelism's groups (None: none)
         )
+    strategy._sequence.engine_ready(engine)  # sequence parallelism: ZeRO-3's gradient average
     reset_zero3_trace_at_outer_forward_only(engine)
     give_bf16_optimizer_zero_grad(ds_optimizer)
     return engine, ds_optimizer, ds_scheduler

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lightning_gaudi_ds.sequence.batch import IGNORE_INDEX, shard_batch
 from lightning_gaudi_ds.sequence.loss import causal_lm_loss as _causal_lm_loss
-from lightning_gaudi_ds.sequence.runtime import SequenceParallel, active_group
+from lightning_gaudi_ds.sequence.runtime import SequenceParallel, active_groups
 
 __all__ = ["SequenceParallel", "causal_lm_loss", "shard_batch"]
 
@@ -39,5 +39,7 @@ def causal_lm_loss(logits: Tensor, labels: Tensor | None = None, *, ignore_index
         num_items_in_batch: what to divide the summed loss by (default: the labels counted over the whole
             sequences).
     """
-    return _causal_lm_loss(logits, labels, group=active_group(), ignore_index=ignore_index,
-                           shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
+    groups = active_groups()
+    return _causal_lm_loss(logits, labels, group=groups.group if groups is not None else None,
+                           ignore_index=ignore_index, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
+                           gradient_scale=groups.gradient_scale if groups is not None else 1.0)

@@ -22,6 +22,7 @@ from torch.nn import Module
 from lightning_gaudi_ds import _compat
 from lightning_gaudi_ds._classes import import_class
 from lightning_gaudi_ds.errors import ConfigError
+from lightning_gaudi_ds.sequence.groups import SequenceGroups
 
 # The layouts of query, key and value a user's attention module may take: (batch, heads, sequence, head size) as
 # torch's scaled_dot_product_attention, or (batch, sequence, heads, head size).
@@ -38,9 +39,9 @@ class Exchange:
     ``(batch, part, heads, head size)`` in, ``attention(q, k, v)`` called with ``(batch, sequence, heads / K, head
     size)`` (it returns the same shape), ``(batch, part, heads, head size)`` out."""
 
-    def __init__(self, group: Any, size: int) -> None:
-        self.group, self.size = group, size
-        self._layer = _compat.ulysses_attention(_run, group)
+    def __init__(self, groups: SequenceGroups) -> None:
+        self.groups, self.group, self.size = groups, groups.group, groups.size
+        self._layer = _compat.ulysses_attention(_run, groups.group)
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor,
                  attention: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
@@ -130,7 +131,7 @@ class WrappedModules:
     def __init__(self, modules: list[Module], exchange: Exchange) -> None:
         self.modules = modules
         for module in modules:
-            module.forward = _wrapped_forward(module, exchange)  # type: ignore[method-assign]
+            module.forward = _wrapped_forward(module, exchange)
 
     def unwrap(self) -> None:
         for module in self.modules:

@@ -93,7 +93,7 @@ def _padded(batch: Any, length: int, size: int) -> Any:
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length:
             out[key] = _pad(value, PAD_VALUES[key], target - length)
-    return type(batch)(out) if _rebuildable(batch) else out
+    return type(batch)(out) if _rebuildable(batch) else out  # type: ignore[call-arg]
 
 
 def _pad(tensor: torch.Tensor, value: int | str, extra: int) -> torch.Tensor:
@@ -111,7 +111,7 @@ def _rebuildable(batch: Mapping[str, Any]) -> bool:
     """Whether ``type(batch)(dict)`` makes the same kind of batch (dict subclasses such as transformers'
     BatchEncoding do)."""
     try:
-        return isinstance(type(batch)(dict(batch)), Mapping)
+        return isinstance(type(batch)(dict(batch)), Mapping)  # type: ignore[call-arg]
     except Exception:
         return False
 

@@ -18,7 +18,7 @@ DeepSpeed (0.16 and later, Habana's fork included) takes them from a Megatron-st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -34,10 +34,14 @@ def layout(world_size: int, size: int) -> tuple[list[list[int]], list[list[int]]
     return sequence, data
 
 
-@dataclass(frozen=True)
+@dataclass
 class SequenceGroups:
     """This rank's place: its sequence-parallel group (``size`` ranks, this one at ``rank``) and its data-parallel
-    group (``data_parallel_size`` ranks, this one at ``data_parallel_rank``)."""
+    group (``data_parallel_size`` ranks, this one at ``data_parallel_rank``).
+
+    ``gradient_scale``: what the gradient of each rank's part of the loss is multiplied by
+    (:func:`~lightning_gaudi_ds.sequence.loss.sum_over_group`): 1, or ``size`` under ZeRO-3, whose engine is made to
+    average over every rank (see :meth:`~lightning_gaudi_ds.sequence.runtime.SequenceParallel.engine_ready`)."""
 
     size: int
     rank: int
@@ -47,6 +51,7 @@ class SequenceGroups:
     data_parallel_group: Any
     data_parallel_ranks: tuple[int, ...]
     alone: Any  # a group of this rank only: the (absent) model parallelism
+    gradient_scale: float = field(default=1.0)
 
     @classmethod
     def build(cls, size: int) -> SequenceGroups:

@@ -66,7 +66,7 @@ def _calls_attention_registry(cls: type) -> bool:
     """Whether ``cls.forward`` looks its attention function up in transformers' registry."""
     if cls not in _CALLS_REGISTRY:
         try:
-            source = inspect.getsource(cls.forward)
+            source = inspect.getsource(cls.forward)  # type: ignore[attr-defined]
         except (OSError, TypeError):
             source = ""
         _CALLS_REGISTRY[cls] = "ALL_ATTENTION_FUNCTIONS" in source
@@ -79,7 +79,7 @@ def attention_modules(model: Module) -> list[Module]:
 
 
 def _heads(config: Any) -> tuple[int, int]:
-    heads = int(getattr(config, "num_attention_heads"))
+    heads = int(config.num_attention_heads)
     return heads, int(getattr(config, "num_key_value_heads", None) or heads)
 
 
@@ -87,7 +87,6 @@ def check_model(model: Module, size: int) -> list[Module]:
     """Refuse, before training, a Hugging Face model that ``size`` ranks cannot share a sequence of; returns its
     attention modules."""
     name = type(model).__name__
-    config = model.config  # type: ignore[union-attr]
     modules = attention_modules(model)
     if not modules:
         raise ConfigError(
@@ -176,7 +175,7 @@ def _attention(module: Module, query: Tensor, key: Tensor, value: Tensor, attent
 
 def _attention_function(module: Module, implementation: str) -> Callable[..., Any]:
     if implementation == "eager":  # each modeling file has its own, the registry none
-        return sys.modules[type(module).__module__].eager_attention_forward  # type: ignore[no-any-return]
+        return sys.modules[type(module).__module__].eager_attention_forward
     return _compat.attention_function(implementation)
 
 
@@ -198,6 +197,7 @@ def full_mask(implementation: str, length: int, *, padding: Tensor | None, causa
     if causal:
         allowed &= keys <= query
     if windowed:
+        assert window is not None
         allowed &= keys > query - window
     mask = allowed.view(1, 1, length, length)
     if padding is not None:
@@ -225,14 +225,15 @@ class WrappedModel:
         self._had_loss = "_loss_function" in vars(model)
         self._loss = vars(model).get("_loss_function")
         model.loss_function = self._loss_function  # type: ignore[assignment]
-        model.forward = _model_forward(model, self.state, exchange, rank)  # type: ignore[method-assign]
+        model.forward = _model_forward(model, self.state, exchange, rank)
 
     def _loss_function(self, logits: Tensor, labels: Tensor | None = None, vocab_size: int | None = None,
                        num_items_in_batch: Any = None, ignore_index: int = -100,
                        shift_labels: Tensor | None = None, **kwargs: Any) -> Tensor:
         self.state.loss_calls += 1
-        return causal_lm_loss(logits, labels, group=self.state.exchange.group, ignore_index=ignore_index,
-                              shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
+        groups = self.state.exchange.groups
+        return causal_lm_loss(logits, labels, group=groups.group, ignore_index=ignore_index, shift_labels=shift_labels,
+                              num_items_in_batch=num_items_in_batch, gradient_scale=groups.gradient_scale)
 
     def unwrap(self) -> None:
         model = self.model

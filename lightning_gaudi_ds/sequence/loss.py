@@ -8,7 +8,8 @@ What makes it equal the loss without sequence parallelism (a mean over every lab
 - the mean: each rank sums its cross-entropies and divides by the number of labels of the *whole* sequences (summed
   over the group), so that the parts add up to the mean;
 - the sum over the group (:class:`_SumOverGroup`): an all-reduce forward, so every rank reports the same loss, and
-  the identity backward, so each rank back-propagates its own part only; DeepSpeed then sums the parts' gradients.
+  the identity backward (times a constant, ``gradient_scale``), so each rank back-propagates its own part only;
+  DeepSpeed then sums the parts' gradients.
 """
 
 from __future__ import annotations
@@ -24,25 +25,27 @@ from lightning_gaudi_ds.sequence.batch import IGNORE_INDEX
 
 
 class _SumOverGroup(torch.autograd.Function):
-    """The sum over a process group, forward; the identity, backward (each rank's part of a sum)."""
+    """The sum over a process group, forward; the identity times ``scale``, backward (each rank's part of a sum)."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: Tensor, group: Any) -> Tensor:
+    def forward(ctx: Any, tensor: Tensor, group: Any, scale: float) -> Tensor:
+        ctx.scale = scale
         total = tensor.clone()
         dist.all_reduce(total, group=group)
         return total
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return (grad * ctx.scale if ctx.scale != 1 else grad), None, None
 
 
-def sum_over_group(tensor: Tensor, group: Any) -> Tensor:
+def sum_over_group(tensor: Tensor, group: Any, gradient_scale: float = 1.0) -> Tensor:
     """The sum of ``tensor`` over ``group`` (None: no group, ``tensor`` itself), differentiable as each rank's own
-    part of the sum: the value every rank reports, the gradient only of what this rank computed."""
+    part of the sum: the value every rank reports, the gradient only of what this rank computed (times
+    ``gradient_scale``)."""
     if group is None:
         return tensor
-    return _SumOverGroup.apply(tensor, group)
+    return _SumOverGroup.apply(tensor, group, gradient_scale)
 
 
 def shifted_labels(labels: Tensor, group: Any = None, ignore_index: int = IGNORE_INDEX) -> Tensor:
@@ -67,6 +70,7 @@ def causal_lm_loss(
     ignore_index: int = IGNORE_INDEX,
     shift_labels: Tensor | None = None,
     num_items_in_batch: int | Tensor | None = None,
+    gradient_scale: float = 1.0,
 ) -> Tensor:
     """The next-token cross-entropy of the whole sequences, from this rank's part (see the module's docstring).
 
@@ -79,6 +83,7 @@ def causal_lm_loss(
         shift_labels: the labels already shifted (instead of ``labels``).
         num_items_in_batch: the number of labels to divide by, counted over the whole sequences (default: those
             of this batch that are not ``ignore_index``).
+        gradient_scale: multiplies the gradient of this rank's part (see :func:`sum_over_group`).
     """
     if shift_labels is None:
         if labels is None:
@@ -95,4 +100,4 @@ def causal_lm_loss(
         num_items_in_batch = count
     if isinstance(num_items_in_batch, Tensor):
         num_items_in_batch = num_items_in_batch.to(total.device)
-    return sum_over_group(total / num_items_in_batch, group)
+    return sum_over_group(total / num_items_in_batch, group, gradient_scale)

@@ -20,6 +20,7 @@ entry point                    where the strategy calls it
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -38,9 +39,9 @@ CONFIG_KEY = "sequence_parallel_size"  # DeepSpeed's own config key, read as the
 _active: list[SequenceParallel] = []  # the set-up strategies' (causal_lm_loss finds its group here)
 
 
-def active_group() -> Any:
-    """The sequence-parallel group of the strategy whose model is set up in this process (None: none is)."""
-    return _active[-1].groups.group if _active and _active[-1].groups is not None else None
+def active_groups() -> SequenceGroups | None:
+    """The sequence-parallel groups of the strategy whose model is set up in this process (None: none is)."""
+    return _active[-1].groups if _active else None
 
 
 class SequenceParallel:
@@ -148,7 +149,7 @@ class SequenceParallel:
         if not self.enabled or self._wrapped:
             return
         assert self.groups is not None, "SequenceParallel.start() runs before wrap()"
-        exchange = attention.Exchange(self.groups.group, self.size)
+        exchange = attention.Exchange(self.groups)
         wrapped: list[Any] = []
         if self.modules:
             modules = attention.find_modules(model, self.modules)
@@ -176,11 +177,24 @@ class SequenceParallel:
         if self in _active:
             _active.remove(self)
 
-    def sharded_context(self, start: Callable[[], AbstractContextManager[Any]], config: Any,
-                        remote_device: Any) -> AbstractContextManager[Any]:
-        """ZeRO-3's partitioned construction: the base strategy's (``start``), or with sequence parallelism
-        ``deepspeed.zero.Init`` given the ``mpu`` (its config's batch sizes count ``world / K`` ranks)."""
-        if not self.enabled or self.mpu is None:
+    def engine_ready(self, engine: Any) -> None:
+        """After ``deepspeed.initialize``. ZeRO-3 reduce-scatters some gradient buckets averaging over every rank,
+        ignoring sequence parallelism, and others over ``world / K`` (DeepSpeed 0.16 to 0.19): its engine is made to
+        average every bucket over every rank, and each rank's part of the loss back-propagates ``K`` times its
+        gradient, which comes to the average over the ``world / K`` sequences in both."""
+        if not self.enabled or self.groups is None:
+            return
+        stage3 = int(engine.zero_optimization_stage()) == 3 and engine.optimizer is not None
+        self.groups.gradient_scale = float(self.size) if stage3 else 1.0
+        if stage3:
+            _compat.zero3_average_over_every_rank(engine.optimizer)
+
+    def sharded_context(self, start: Callable[[], AbstractContextManager[Any]], config: Any, remote_device: Any,
+                        *, enabled: bool) -> AbstractContextManager[Any]:
+        """ZeRO-3's partitioned construction (``enabled``: at stage 3): the base strategy's (``start``), or with
+        sequence parallelism Lightning's ``deepspeed.zero.Init`` given the ``mpu`` as well (its config's batch sizes
+        count ``world / K`` ranks, which DeepSpeed checks)."""
+        if not enabled or not self.enabled or self.mpu is None:
             return start()
         return _zero_init(config, remote_device, self.mpu)
 
@@ -196,7 +210,7 @@ class SequenceParallel:
         """Fabric's loaders: one that yields each batch already split (its attributes are the loader's)."""
         if not self.enabled:
             return dataloader
-        return ShardingLoader(dataloader, self.shard)
+        return sharding_loader(dataloader, self.shard)
 
     # ------------------------------------------------------------------------------------- the end
     def teardown(self) -> None:
@@ -215,23 +229,26 @@ def _zero_init(config: Any, remote_device: Any, mpu: ParallelUnit) -> Iterator[N
         yield
 
 
-class ShardingLoader:
-    """``dataloader`` whose batches come split (``shard``); every other attribute is the loader's."""
+def sharding_loader(dataloader: Any, shard: Callable[[Any], Any]) -> Any:
+    """A copy of ``dataloader`` whose iteration yields each batch through ``shard``: an instance of a subclass of
+    its class, sharing its attributes (``dataset``, ``sampler``, ``batch_size``, ... as Fabric and user code read
+    them)."""
+    cls = type(dataloader)
+    sharded = copy.copy(dataloader)
+    sharded.__class__ = _SHARDING_CLASSES.get(cls) or _SHARDING_CLASSES.setdefault(cls, type(
+        f"Sharding{cls.__name__}", (cls,), {"__iter__": _sharded_iter, "__module__": __name__}))
+    sharded.__dict__[_SHARD] = shard
+    return sharded
 
-    def __init__(self, dataloader: Any, shard: Callable[[Any], Any]) -> None:
-        self.dataloader, self._shard = dataloader, shard
 
-    def __iter__(self) -> Iterator[Any]:
-        for batch in self.dataloader:
-            yield self._shard(batch)
+_SHARD = "_lightning_gaudi_ds_shard"
+_SHARDING_CLASSES: dict[type, type] = {}
 
-    def __len__(self) -> int:
-        return len(self.dataloader)
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "dataloader":
-            raise AttributeError(name)
-        return getattr(self.dataloader, name)
+def _sharded_iter(self: Any) -> Iterator[Any]:
+    shard = self.__dict__[_SHARD]
+    for batch in super(type(self), self).__iter__():
+        yield shard(batch)
 
 
 def _checked_size(value: Any, where: str) -> int | None:
