@@ -9,8 +9,8 @@ same gradients. The models: a random-init Llama (grouped-query attention) and GP
 of this file whose attention module is named in ``sequence_parallel_modules``; the batches have left and right
 padding, ``-100`` labels and a length of 30 (padded to 32 for ``K = 4``).
 
-``--plan``: ``grads`` (fp32 loss and gradients, ZeRO-2 and ZeRO-3, both models, every ``K`` dividing the world, and
-the user's own attention at ZeRO-2), ``train`` (bf16 and activation checkpointing: a few steps), ``fabric`` (the
+``--plan``: ``grads`` (fp32 loss and gradients: ZeRO-2 and ZeRO-3, both models and the user's own attention at
+``K = devices``, and a few more), ``train`` (bf16 and activation checkpointing: a few steps), ``fabric`` (the
 Fabric strategy), ``checkpoint`` (a ``K = 2`` run and a ``K = 1`` run of 2 steps save checkpoints; then resumes from
 the ``K = 2`` one at ``K = 1``; and from ``--load`` on this world size), ``errors`` (what is refused before training).
 
@@ -65,10 +65,11 @@ class TokenData(Dataset):
         return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
 
 
-def reference_loader(world: int, rank: int, size: int) -> DataLoader:
-    """What the ranks of a ``size``-way run read, for a run without sequence parallelism: its group's batches."""
-    sampler = DistributedSampler(TokenData(), num_replicas=world // size, rank=rank // size, shuffle=True,
-                                 seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))  # as Lightning's, for training
+def reference_loader(world: int, rank: int, size: int, shuffle: bool = True) -> DataLoader:
+    """What the ranks of a ``size``-way run read, for a run without sequence parallelism: its group's batches
+    (``shuffle``: as the Trainer's sampler for training, Fabric's does not)."""
+    sampler = DistributedSampler(TokenData(), num_replicas=world // size, rank=rank // size, shuffle=shuffle,
+                                 seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
     return DataLoader(TokenData(), batch_size=BATCH, sampler=sampler)
 
 
@@ -135,9 +136,10 @@ class OwnLM(nn.Module):
 class LM(L.LightningModule):
     """A Hugging Face causal LM (its own loss) or ``OwnLM`` (``causal_lm_loss``), built in ``configure_model``."""
 
-    def __init__(self, kind: str, attention: str = "sdpa", checkpointing: bool = False, lr: float = 0.05) -> None:
+    def __init__(self, kind: str, attention: str = "sdpa", checkpointing: bool = False, lr: float = 0.05,
+                 adam: bool = False) -> None:
         super().__init__()
-        self.kind, self.attention, self.checkpointing, self.lr = kind, attention, checkpointing, lr
+        self.kind, self.attention, self.checkpointing, self.lr, self.adam = kind, attention, checkpointing, lr, adam
         self.model: nn.Module | None = None
         self.losses: list[float] = []
         self.grads: dict[str, torch.Tensor] = {}
@@ -149,6 +151,10 @@ class LM(L.LightningModule):
         self.model = OwnLM() if self.kind == "own" else hf_model(self.kind, self.attention)
         if self.checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> Any:
+        assert self.model is not None
+        return self.model(**batch)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         assert self.model is not None
@@ -164,6 +170,9 @@ class LM(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
+        if self.adam:  # states to reshard (DeepSpeed's universal checkpoint expects Adam's); a large eps keeps
+            # Adam from blowing up float rounding in gradients near zero into differences of a learning rate
+            return torch.optim.AdamW(self.parameters(), lr=self.lr, eps=1e-2)
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
@@ -202,10 +211,11 @@ def fit(module: LM, *, devices: int, stage: int, size: int, reference_for: int =
     return trainer
 
 
-def same_on_all_ranks(value: float) -> bool:
-    values = [None] * dist.get_world_size()
+def same_in_groups(value: float, size: int) -> bool:
+    """Whether every rank of each group of ``size`` consecutive ranks has the same ``value``."""
+    values: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
-    return all(v == values[0] for v in values)
+    return all(values[r] == values[r - r % size] for r in range(len(values)))
 
 
 def grad_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, float]:
@@ -215,25 +225,22 @@ def grad_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> t
 
 # ------------------------------------------------------------------------------------------------ the plans
 def plan_grads(devices: int, out: dict[str, Any]) -> None:
-    sizes = [k for k in (2, 4) if devices % k == 0]
-    cases = [(kind, stage) for kind in ("llama", "gpt2") for stage in (2, 3)] + [("own", 2)]
-    if devices == 2:  # the other stages once
-        cases += [("llama", 0), ("llama", 1)]
-    for kind, stage in cases:
-        for size in sizes:
-            if kind == "own" and size != devices:
-                continue
-            reference = LM(kind)
-            fit(reference, devices=devices, stage=stage, size=1, reference_for=size)
-            module = LM(kind)
-            trainer = fit(module, devices=devices, stage=stage, size=size,
-                          sequence_parallel_modules=[CoreAttention] if kind == "own" else None)
-            diff, scale = grad_difference(module.grads, reference.grads)
-            out[f"grads/{kind}/z{stage}/k{size}"] = {
-                "loss": module.losses[0], "reference_loss": reference.losses[0], "grad_diff": diff,
-                "grad_scale": scale, "same_loss_on_ranks": same_on_all_ranks(module.losses[0]),
-                "sampler": trainer.strategy.distributed_sampler_kwargs,
-            }
+    # every model and stage with K = devices; on 4 ranks also K = 2 (two groups, data parallel across them) for
+    # two of them; on 2 ranks also ZeRO-0 and ZeRO-1 once
+    cases = [(kind, stage, devices) for kind in ("llama", "gpt2") for stage in (2, 3)] + [("own", 2, devices)]
+    cases += [("llama", 0, 2), ("llama", 1, 2)] if devices == 2 else [("llama", 2, 2), ("gpt2", 3, 2)]
+    for kind, stage, size in cases:
+        reference = LM(kind)
+        fit(reference, devices=devices, stage=stage, size=1, reference_for=size)
+        module = LM(kind)
+        trainer = fit(module, devices=devices, stage=stage, size=size,
+                      sequence_parallel_modules=[CoreAttention] if kind == "own" else None)
+        diff, scale = grad_difference(module.grads, reference.grads)
+        out[f"grads/{kind}/z{stage}/k{size}"] = {
+            "loss": module.losses[0], "reference_loss": reference.losses[0], "grad_diff": diff,
+            "grad_scale": scale, "same_loss_in_group": same_in_groups(module.losses[0], size),
+            "sampler": trainer.strategy.distributed_sampler_kwargs,
+        }
 
 
 def plan_train(devices: int, out: dict[str, Any]) -> None:
@@ -251,7 +258,7 @@ def plan_train(devices: int, out: dict[str, Any]) -> None:
         fit(reference, devices=devices, stage=2, size=1, reference_for=size, steps=3, precision="bf16-mixed")
         fit(module, devices=devices, stage=2, size=size, steps=3, precision="bf16-mixed")
         out[f"train/bf16/{kind}"] = {"losses": module.losses, "reference_losses": reference.losses,
-                                     "same_loss_on_ranks": same_on_all_ranks(module.losses[-1])}
+                                     "same_loss_in_group": same_in_groups(module.losses[-1], size)}
 
 
 def plan_fabric(devices: int, out: dict[str, Any]) -> None:
@@ -269,7 +276,7 @@ def plan_fabric(devices: int, out: dict[str, Any]) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         model, optimizer = fabric.setup(model, optimizer)
         if size == 1:  # every rank the batches of the K-way run's group
-            loader = fabric.setup_dataloaders(reference_loader(devices, fabric.global_rank, devices),
+            loader = fabric.setup_dataloaders(reference_loader(devices, fabric.global_rank, devices, shuffle=False),
                                               use_distributed_sampler=False)
         else:
             loader = fabric.setup_dataloaders(DataLoader(TokenData(), batch_size=BATCH))
@@ -287,7 +294,7 @@ def plan_fabric(devices: int, out: dict[str, Any]) -> None:
         fabric.strategy.teardown()
     out["fabric"] = {"losses": results[devices]["losses"], "reference_losses": results[1]["losses"],
                      "batch_length": results[devices]["batch_length"], "sampler": results[devices]["sampler"],
-                     "same_loss_on_ranks": same_on_all_ranks(results[devices]["losses"][-1])}
+                     "same_loss_in_group": same_in_groups(results[devices]["losses"][-1], devices)}
 
 
 def plan_checkpoint(devices: int, out: dict[str, Any], folder: Path, load: str | None) -> None:
@@ -297,18 +304,18 @@ def plan_checkpoint(devices: int, out: dict[str, Any], folder: Path, load: str |
     if load is None:  # write: 2 steps at K = 2 and at K = 1, each saved
         trained = {}
         for size in (devices, 1):
-            module = LM("llama")
+            module = LM("llama", lr=0.01, adam=True)
             trainer = fit(module, devices=devices, stage=3, size=size, steps=2,
                           reference_for=devices if size == 1 else 0)
             trainer.save_checkpoint(folder / f"k{size}.ckpt")
-            probe = LM("llama")  # the weights after the 2 steps: read by a resume that trains one more step
+            probe = LM("llama", lr=0.01, adam=True)  # the weights after the 2 steps: read by a resume that trains one more step
             fit(probe, devices=devices, stage=3, size=size, steps=3, ckpt_path=str(folder / f"k{size}.ckpt"),
                 reference_for=devices if size == 1 else 0)
             trained[size] = weights(probe)
         if dist.get_rank() == 0:
             torch.save(trained[1], folder / "k1_weights.pt")
         # the K-way checkpoint resumed at K = 1: the same weights as the K = 1 run's
-        resumed = LM("llama")
+        resumed = LM("llama", lr=0.01, adam=True)
         fit(resumed, devices=devices, stage=3, size=1, steps=3, ckpt_path=str(folder / f"k{devices}.ckpt"),
             reference_for=devices)
         out["checkpoint"] = {
@@ -321,7 +328,7 @@ def plan_checkpoint(devices: int, out: dict[str, Any], folder: Path, load: str |
     # another world size: the K-way checkpoint of --load (another job), at K = 2 and at K = 1
     reference = torch.load(Path(load).parent / "k1_weights.pt")
     for size in (2, 1):
-        module = LM("llama")
+        module = LM("llama", lr=0.01, adam=True)
         fit(module, devices=devices, stage=3, size=size, steps=3, ckpt_path=load, reference_for=2 if size == 1 else 0)
         out[f"checkpoint/load/k{size}"] = {"diff": max(float((module.start_weights[n] - reference[n]).abs().max())
                                                        for n in reference), "losses": module.losses}
@@ -384,7 +391,7 @@ def main() -> None:
         except Exception:
             traceback.print_exc()
             raise
-    write_result(folder, int(os.environ.get("LOCAL_RANK", "0")), {"devices": args.devices, **out})
+    write_result(folder, int(os.environ.get("LOCAL_RANK", "0")), {"devices": args.devices, "out": str(folder), **out})
 
 
 if __name__ == "__main__":
