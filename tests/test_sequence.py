@@ -86,7 +86,7 @@ def test_activation_checkpointing_and_bf16_train(two: list[dict[str, Any]]) -> N
 
 
 def test_fabric_strategy(two: list[dict[str, Any]]) -> None:
-    for rank, result in enumerate(two):
+    for result in two:
         case = result["fabric"]
         assert case["batch_length"] == 15, case  # fabric.setup_dataloaders: half of each 30-token sequence
         assert case["sampler"] == {"num_replicas": 1, "rank": 0}, case

@@ -182,9 +182,11 @@ class Probe(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: LM) -> None:
         from deepspeed.utils import safe_get_full_fp32_param
 
-        full = {n: safe_get_full_fp32_param(p) for n, p in pl_module.named_parameters()}  # None at stage 0
-        pl_module.start_weights = {n: (t if t is not None else p).detach().float().clone()
-                                   for (n, t), p in zip(full.items(), pl_module.parameters())}
+        weights = {}
+        for name, param in pl_module.named_parameters():
+            full = safe_get_full_fp32_param(param)  # None at stage 0: the parameter itself
+            weights[name] = (full if full is not None else param).detach().float().clone()
+        pl_module.start_weights = weights
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: LM, optimizer: Any) -> None:
         if pl_module.grads:
@@ -308,7 +310,7 @@ def plan_checkpoint(devices: int, out: dict[str, Any], folder: Path, load: str |
             trainer = fit(module, devices=devices, stage=3, size=size, steps=2,
                           reference_for=devices if size == 1 else 0)
             trainer.save_checkpoint(folder / f"k{size}.ckpt")
-            probe = LM("llama", lr=0.01, adam=True)  # the weights after the 2 steps: read by a resume that trains one more step
+            probe = LM("llama", lr=0.01, adam=True)  # the weights after 2 steps: a resume reads them
             fit(probe, devices=devices, stage=3, size=size, steps=3, ckpt_path=str(folder / f"k{size}.ckpt"),
                 reference_for=devices if size == 1 else 0)
             trained[size] = weights(probe)
