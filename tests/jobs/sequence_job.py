@@ -369,7 +369,7 @@ def plan_errors(devices: int, out: dict[str, Any]) -> None:
     def heads() -> None:
         module = LM("gpt2")
         module.configure_model()
-        module.model.config.num_attention_heads = 3  # noqa: the head count the check reads
+        module.model.config.num_attention_heads = 3  # the head count the check reads
         fit(module, devices=devices, stage=2, size=devices)
 
     out["errors"] = {"no_attention": refused(no_attention), "predict": refused(predict), "heads": refused(heads)}
