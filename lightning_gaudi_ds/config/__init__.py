@@ -28,6 +28,7 @@ from lightning_gaudi_ds.config.keys import (
 from lightning_gaudi_ds.config.load import (
     ENV_VAR,
     INLINE_KEYS,
+    READ_BY_THE_PACKAGE,
     ConfigError,
     ConfigNotFoundError,
     check_activation_checkpointing,
@@ -63,6 +64,7 @@ __all__ = [
     "CONFIG_FILENAME",
     "ENV_VAR",
     "INLINE_KEYS",
+    "READ_BY_THE_PACKAGE",
     "STRATEGY_ARG_KEYS",
     "TRAINER_KEYS",
     "ZERO",
