@@ -209,6 +209,7 @@ class StrategyConfig(ConfigResolver):
             module, self.auto, device=strategy.root_device, devices=len(strategy.parallel_devices),
             nodes=strategy.num_nodes, precision=precision,
             zero_config=self.as_resolved(strategy.config).get("zero_optimization"),
+            sequence_parallel_size=self.sequence_parallel_size,  # activations split K ways
         )
 
     def as_resolved(self, config: dict[str, Any]) -> dict[str, Any]:

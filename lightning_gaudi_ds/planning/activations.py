@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from lightning_gaudi_ds._compat import TorchDispatchMode
+from lightning_gaudi_ds.planning.memory import sequence_parallel_activation_bytes  # noqa: F401  (part of this API)
 from lightning_gaudi_ds.precisions import PRECISION_DTYPES
 
 

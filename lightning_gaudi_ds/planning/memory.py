@@ -334,6 +334,17 @@ def comm_bytes_per_param(
     return 3 * f * p
 
 
+def sequence_parallel_activation_bytes(activation_bytes: int, sequence_parallel_size: int) -> int:
+    """The activations one rank holds when ``sequence_parallel_size`` ranks share each sequence (DeepSpeed-Ulysses,
+    ``HPUDeepSpeedStrategy(sequence_parallel_size=K)``), from ``activation_bytes`` of the whole micro batch on one
+    device: ``1/K`` of them. Every tensor kept for backward is split: along the sequence outside attention, along the
+    heads inside it (where a ``(heads, sequence, sequence)`` score matrix, if any, becomes ``heads / K`` of them)."""
+    if isinstance(sequence_parallel_size, bool) or not isinstance(sequence_parallel_size, int) \
+            or sequence_parallel_size < 1:
+        raise ValueError(f"sequence_parallel_size={sequence_parallel_size!r} must be a positive integer")
+    return -(-int(activation_bytes) // sequence_parallel_size)
+
+
 def plan_memory(
     model: ModelSpec | int | float,
     *,
@@ -350,6 +361,7 @@ def plan_memory(
     configurations: Sequence[tuple[int, bool, bool]] = CONFIGURATIONS,
     device_type: str | None = None,
     fused_optimizer: bool | None = None,
+    sequence_parallel_size: int = 1,
 ) -> list[dict[str, Any]]:
     """Predicted bytes per rank for ZeRO stages 0-3 with and without offload, fastest configuration first.
 
@@ -369,6 +381,10 @@ def plan_memory(
             through the step).
         fused_optimizer: whether the optimizer steps with torch's fused kernel (no temporaries); default: as the
             strategy decides for ``optimizer`` on ``device_type`` (:func:`~lightning_gaudi_ds.engine.train.fuses_adam`).
+        sequence_parallel_size: ranks sharing each sequence (``HPUDeepSpeedStrategy(sequence_parallel_size=K)``):
+            each holds ``1/K`` of ``activation_bytes``
+            (:func:`~lightning_gaudi_ds.planning.activations.sequence_parallel_activation_bytes`); ZeRO still
+            partitions the model states over every rank, so they do not change.
 
     The device peak is the larger of two moments: backward (the states at the step's entry, DeepSpeed's
     buckets and gathered parameters, the activations) and the optimizer step (the states inside it and the
@@ -397,6 +413,12 @@ def plan_memory(
 
         fused_optimizer = fuses_adam(device_type, optimizer)
     world = devices * nodes
+    if isinstance(sequence_parallel_size, bool) or not isinstance(sequence_parallel_size, int) \
+            or sequence_parallel_size < 1 or world % sequence_parallel_size:
+        raise ValueError(f"sequence_parallel_size={sequence_parallel_size!r} must be a positive integer dividing the"
+                         f" {world} ranks (devices x nodes)")
+    if activation_bytes is not None:
+        activation_bytes = sequence_parallel_activation_bytes(activation_bytes, sequence_parallel_size)
     psi = float(spec.params)
     frozen = spec.frozen_params / psi if psi else 0.0
     p = bytes_per_param(precision)
@@ -435,7 +457,7 @@ def plan_memory(
         row.update(params=spec.params, frozen_params=spec.frozen_params, world_size=world, devices=devices,
                    nodes=nodes, precision=precision, optimizer=optimizer, device_memory=dev_mem,
                    host_memory=host_mem, headroom=headroom, buckets=asdict(buckets), device_type=device_type,
-                   fused_optimizer=fused_optimizer)
+                   fused_optimizer=fused_optimizer, sequence_parallel_size=sequence_parallel_size)
     return rows
 
 
@@ -525,6 +547,11 @@ def assumed_line(row: Mapping[str, Any]) -> str:
     return f"device assumed: {row['device_type']}; {temps}"
 
 
+def _split(row: Mapping[str, Any]) -> str:
+    size = row.get("sequence_parallel_size", 1)
+    return f", 1/{size} per rank: sequence parallelism" if size > 1 else ""
+
+
 def format_table(rows: Sequence[dict[str, Any]], name: str = "") -> str:
     """The planner's rows (:func:`choose`) as the text table ``lightning-gaudi-ds plan`` and ``stage="auto"`` print."""
     fb = format_bytes
@@ -559,7 +586,7 @@ def format_table(rows: Sequence[dict[str, Any]], name: str = "") -> str:
     lines += ["", f"buckets (elements): reduce {b['reduce_bucket_size']:,}, allgather {b['allgather_bucket_size']:,},"
               f" ZeRO-3 prefetch {b['stage3_prefetch_bucket_size']:,}, persistence threshold"
               f" {b['stage3_param_persistence_threshold']:,}; overlap_comm {b['overlap_comm']}",
-              "activations: " + (f"{fb(act)} (measured, one micro batch) included" if act is not None
+              "activations: " + (f"{fb(act)} (measured, one micro batch{_split(r0)}) included" if act is not None
                                  else "not included (use --measure-activations)")]
     fastest = fastest_fitting(rows)
     if fastest is not None:

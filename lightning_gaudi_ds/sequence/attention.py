@@ -12,6 +12,7 @@ models' attention.
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,15 +46,43 @@ class Exchange:
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor,
                  attention: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
-        heads = {"query": query.shape[2], "key": key.shape[2], "value": value.shape[2]}
-        uneven = {name: n for name, n in heads.items() if n % self.size}
+        counts = {"query": query.shape[2], "key": key.shape[2], "value": value.shape[2]}
+        uneven = {name: n for name, n in counts.items() if n % self.size}
         if uneven:
             raise ConfigError(
                 f"sequence_parallel_size={self.size}: attention has {_heads(uneven)}, which {self.size} ranks cannot"
                 f" share (each rank attends with 1/{self.size} of the heads). Use a sequence_parallel_size that"
-                f" divides {', '.join(map(str, sorted(set(heads.values()))))}."
+                f" divides {', '.join(map(str, sorted(set(counts.values()))))}."
             )
-        return _exchange(self._layer, query, key, value, attention)
+        # DeepSpeed 0.16 (Habana's fork) exchanges a tensor (and its gradient) only when the heads on each rank divide
+        # by K as well: every tensor travels cut into finer heads (the same memory) until they do, joined after.
+        fq, fk, fv = (self._finer(t) for t in (query, key, value))
+
+        def local(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return _finer_heads(attention(_whole_heads(q, fq), _whole_heads(k, fk), _whole_heads(v, fv)), fq)
+
+        out = _exchange(self._layer, _finer_heads(query, fq), _finer_heads(key, fk), _finer_heads(value, fv), local)
+        return _whole_heads(out, fq)
+
+    def _finer(self, tensor: Tensor) -> int:
+        """How many parts each head of ``tensor`` (``(batch, sequence, heads, head size)``) travels in."""
+        heads, size = tensor.shape[2], tensor.shape[3]
+        parts = self.size // math.gcd(heads // self.size, self.size)
+        if size % parts:
+            raise ConfigError(
+                f"sequence_parallel_size={self.size}: {heads} heads of size {size}: each rank's {heads // self.size}"
+                f" heads cannot be exchanged in {self.size} even parts. Use a sequence_parallel_size that divides"
+                f" {heads // self.size}."
+            )
+        return parts
+
+
+def _finer_heads(tensor: Tensor, parts: int) -> Tensor:
+    return tensor if parts == 1 else tensor.reshape(*tensor.shape[:2], tensor.shape[2] * parts, -1)
+
+
+def _whole_heads(tensor: Tensor, parts: int) -> Tensor:
+    return tensor if parts == 1 else tensor.reshape(*tensor.shape[:2], tensor.shape[2] // parts, -1)
 
 
 @torch.compiler.disable  # DeepSpeed's all-to-all fills a buffer it allocated: compiled, its gradient would be lost
