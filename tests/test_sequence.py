@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -130,3 +131,17 @@ def test_convert_to_hf_of_k2_checkpoint_equals_k1_weights(two: list[dict[str, An
     reference = torch.load(folder / "k1_weights.pt")  # the K = 1 run's weights, by the LightningModule's names
     assert sorted("model." + name for name in exported) == sorted(reference), (sorted(exported), sorted(reference))
     assert max(float((exported[n[len("model."):]] - t).abs().max()) for n, t in reference.items()) <= TOLERANCE
+
+
+def test_long_sequence_example_trains_with_two_ranks_per_sequence(tmp_path: Path) -> None:
+    """examples/finetune_hf_long.py at its default length (one that K = 1 cannot train under the benchmark's cap),
+    one step: each rank holds half of each sequence and prints the same loss."""
+    pytest.importorskip("transformers")
+    example = Path(__file__).resolve().parents[1] / "examples" / "finetune_hf_long.py"
+    job = run_job([sys.executable, str(example), "--max-steps", "1"], 600, cwd=tmp_path, ranks=2).check()
+    lines = [line for line in job.output.splitlines() if line.startswith("rank ") and ": step 0," in line]
+    assert len(lines) == 2, job.output[-3000:]
+    losses = {line.split("loss ")[1].split(",")[0] for line in lines}
+    assert len(losses) == 1 and math.isfinite(float(losses.pop())), lines
+    default = int(re.search(r'"--seq-len", type=int, default=(\d+)', example.read_text()).group(1))
+    assert all(f"{default // 2:,} of the {default:,} tokens" in line for line in lines), lines
