@@ -1,7 +1,7 @@
 """Fine-tune a small Llama on sequences longer than one rank can hold: DeepSpeed-Ulysses sequence parallelism.
 
-    python examples/finetune_hf_long.py                                  # 2 ranks share each 12,288-token sequence
-    python examples/finetune_hf_long.py --devices 4 --sequence-parallel-size 4 --seq-len 24576
+    python examples/finetune_hf_long.py                                  # 2 ranks share each 6,144-token sequence
+    python examples/finetune_hf_long.py --devices 4 --sequence-parallel-size 4 --seq-len 12288
     python examples/finetune_hf_long.py --pretrained path/to/llama       # a local from_pretrained directory
     lightning-gaudi-ds spawn --world_size 8 examples/finetune_hf_long.py --accelerator hpu --devices 8 \\
         --sequence-parallel-size 8 --seq-len 65536 --precision bf16-mixed
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--sequence-parallel-size", type=int, default=2, help="ranks sharing each sequence (K)")
-    parser.add_argument("--seq-len", type=int, default=12288, help="tokens per sequence (default 12,288)")
+    parser.add_argument("--seq-len", type=int, default=6144, help="tokens per sequence (default 6,144)")
     parser.add_argument("--stage", type=int, default=3, choices=(1, 2, 3))
     parser.add_argument("--precision", default="32-true", help="32-true (default; fast on CPU) or bf16-mixed")
     parser.add_argument("--max-steps", type=int, default=4)
