@@ -74,11 +74,13 @@ def test_four_ranks_sequence_parallel_step_equals_the_step_without_it(four: list
     assert {"grads/own/z2/k4", "grads/llama/z2/k2", "grads/gpt2/z3/k2"} <= four[0].keys()
 
 
-def test_activation_checkpointing_and_bf16_train(two: list[dict[str, Any]]) -> None:
+def test_activation_checkpointing_validate_and_bf16(two: list[dict[str, Any]]) -> None:
     for result in two:
         case = result["train/checkpointing"]  # the attention recomputed in backward: the same gradients
         assert case["loss"] == pytest.approx(case["reference_loss"], rel=TOLERANCE)
         assert case["grad_diff"] <= TOLERANCE and case["grad_scale"] > 100 * TOLERANCE, case
+        case = result["train/validate"]  # trainer.validate: ZeRO-3's evaluation engine, the batches split
+        assert case["loss"] == pytest.approx(case["reference_loss"], rel=TOLERANCE), case
         for kind in ("llama", "gpt2"):
             case = result[f"train/bf16/{kind}"]
             assert len(case["losses"]) == 3 and all(math.isfinite(x) for x in case["losses"]), case

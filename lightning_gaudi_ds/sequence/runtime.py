@@ -10,9 +10,12 @@ entry point                    where the strategy calls it
 ``start``                      after the process group started: the groups built (collective)
 ``check_trainer``              at set-up: ``trainer.predict`` refused
 ``sampler_kwargs``             ``distributed_sampler_kwargs``: the loader's replicas are the ``world / K`` groups
+``sharded_context``            ZeRO-3's ``model_sharded_context`` / ``module_sharded_context``: ``zero.Init(mpu=...)``
 ``wrap`` / ``unwrap``          before ``deepspeed.initialize`` / at teardown: the model's attention (and loss)
-``mpu``                        ``deepspeed.initialize(mpu=...)``, ``deepspeed.zero.Init(mpu=...)``
-``shard``                      each batch (the Trainer's ``batch_to_device``; Fabric's loaders)
+``mpu``                        ``deepspeed.initialize(mpu=...)`` (engine/process.py)
+``engine_ready``               after ``deepspeed.initialize``: ZeRO-3's gradient average
+``shard``                      each batch (the Trainer's ``batch_to_device``)
+``process_dataloader``         Fabric's ``setup_dataloaders``: loaders whose batches come split
 ``teardown``                   the strategy's teardown
 =============================  ==================================================================================
 """

@@ -169,6 +169,9 @@ class LM(L.LightningModule):
         self.losses.append(float(loss.detach()))
         return loss
 
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.model(**batch).loss, sync_dist=True)
+
     def configure_optimizers(self) -> Any:
         if self.adam:  # states to reshard (DeepSpeed's universal checkpoint expects Adam's); a large eps keeps
             # Adam from blowing up float rounding in gradients near zero into differences of a learning rate
@@ -254,6 +257,16 @@ def plan_train(devices: int, out: dict[str, Any]) -> None:
     diff, scale = grad_difference(module.grads, reference.grads)
     out["train/checkpointing"] = {"loss": module.losses[0], "reference_loss": reference.losses[0],
                                   "grad_diff": diff, "grad_scale": scale}
+    # trainer.validate (ZeRO-3's evaluation engine): the same validation loss as without sequence parallelism
+    losses = {}
+    for k in (1, size):
+        trainer = L.Trainer(accelerator="cpu", devices=devices, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, use_distributed_sampler=k > 1,
+                            strategy=HPUDeepSpeedStrategy(stage=3, sequence_parallel_size=k))
+        rank = int(os.environ.get("LOCAL_RANK", "0"))
+        loader = DataLoader(TokenData(), batch_size=BATCH) if k > 1 else reference_loader(devices, rank, size, False)
+        losses[k] = trainer.validate(LM("llama"), loader, verbose=False)[0]["val_loss"]
+    out["train/validate"] = {"loss": losses[size], "reference_loss": losses[1]}
     # bf16: a few steps, compared with the same steps without sequence parallelism
     for kind in ("llama", "gpt2"):
         reference, module = LM(kind, lr=0.5), LM(kind, lr=0.5)
