@@ -54,7 +54,9 @@ class HPUDeepSpeedStrategy(process.StrategyCommon, DeepSpeedStrategy):
     and the fit loop's ``resume_data_position``, which are refused: ``stage`` (0-3 or ``"auto"``: chosen when
     ``fabric.setup`` sees the model), ``device_memory``, ``measure_activations``, ``config`` (path or dict,
     ``PL_DEEPSPEED_CONFIG_PATH`` when unset; its ``"auto"`` values are filled from Fabric's precision, world size
-    and the model), offload, ``hpu_mode``, ``torch_compile``, ``number_checkpoints``, ``zero3_leaf_modules``, and
+    and the model), offload, ``hpu_mode``, ``torch_compile``, ``number_checkpoints``, ``zero3_leaf_modules``,
+    ``sequence_parallel_size`` and ``sequence_parallel_modules`` (the loaders of ``fabric.setup_dataloaders`` yield
+    each rank's part of the sequences; ``strategy.sequence_parallel.shard(batch)`` splits another batch), and
     every other argument of :class:`lightning.fabric.strategies.DeepSpeedStrategy` by keyword.
     """
 
