@@ -75,14 +75,21 @@ def reference_loader(world: int, rank: int, size: int, shuffle: bool = True) -> 
 
 # ------------------------------------------------------------------------------------------------ the models
 def hf_model(kind: str, attention: str = "sdpa") -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    if kind == "llama":
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=4, max_position_embeddings=64)
+    families = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+                "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16}),  # < 30: a window
+                "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+                "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 2, "sliding_window": None})}
+    if kind in families:
+        config_name, model_name, extra = families[kind]
+        config = getattr(transformers, config_name)(**shape, **extra)
         config._attn_implementation = attention
-        return LlamaForCausalLM(config)
+        return getattr(transformers, model_name)(config)
     config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, attn_pdrop=0.0,
                         embd_pdrop=0.0, resid_pdrop=0.0)
     config._attn_implementation = attention
@@ -233,7 +240,8 @@ def plan_grads(devices: int, out: dict[str, Any]) -> None:
     # every model and stage with K = devices; on 4 ranks also K = 2 (two groups, data parallel across them) for
     # two of them; on 2 ranks also ZeRO-0 and ZeRO-1 once
     cases = [(kind, stage, devices) for kind in ("llama", "gpt2") for stage in (2, 3)] + [("own", 2, devices)]
-    cases += [("llama", 0, 2), ("llama", 1, 2)] if devices == 2 else [("llama", 2, 2), ("gpt2", 3, 2)]
+    cases += ([("llama", 0, 2), ("llama", 1, 2), ("mistral", 2, 2), ("qwen2", 2, 2), ("mixtral", 2, 2)]
+              if devices == 2 else [("llama", 2, 2), ("gpt2", 3, 2)])
     for kind, stage, size in cases:
         reference = LM(kind)
         fit(reference, devices=devices, stage=stage, size=1, reference_for=size)
