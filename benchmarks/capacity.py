@@ -35,6 +35,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -275,14 +276,27 @@ def train_trial(s: Settings, c: Config, layers: int, rank: int, world: int, stor
 
 
 def run_trial(s: Settings, c: Config, layers: int, rank: int, world: int, work: Path, tag: str) -> dict[str, Any]:
-    """Fork a child into a fresh capped cgroup, train, and say how it ended: ok, oom, error or peer (killed
-    because another rank's trial failed)."""
-    trials = work / "trials"
-    cg = Cgroup.create(f"lgds-capacity-{os.getppid()}-{tag}-r{rank}", s.cap)
+    """Train ``layers`` layers of configuration ``c`` under the cap (:func:`run_capped`)."""
     nvme_dir = str(work / "nvme" / f"{tag}-r{rank}")
     if c.nvme:
         Path(nvme_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        return run_capped(lambda: train_trial(s, c, layers, rank, world, work / "rdv" / tag, nvme_dir), cap=s.cap,
+                          rank=rank, work=work, tag=tag, timeout=s.trial_timeout, mmap_threshold=s.mmap_threshold,
+                          extra={"config": c.name, "layers": layers, "params": s.params(layers)})
+    finally:
+        shutil.rmtree(nvme_dir, ignore_errors=True)
+
+
+def run_capped(train: Callable[[], Any], *, cap: int, rank: int, work: Path, tag: str, timeout: float,
+               mmap_threshold: int = 0, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Fork a child into a fresh cgroup capped at ``cap`` bytes, run ``train`` there, and say how it ended: ok, oom,
+    error or peer (killed because another rank's trial failed); written to ``<work>/trials/<tag>.rank<N>.json``
+    (with ``extra``) for :func:`agree`. ``train`` may return a JSON-able value: the result's ``value``."""
+    trials = work / "trials"
+    cg = Cgroup.create(f"lgds-capacity-{os.getppid()}-{tag}-r{rank}", cap)
     error_file = trials / f"{tag}.rank{rank}.error"
+    value_file = trials / f"{tag}.rank{rank}.value"
     sys.stdout.flush()
     sys.stderr.flush()
     t0 = time.monotonic()
@@ -291,11 +305,13 @@ def run_trial(s: Settings, c: Config, layers: int, rank: int, world: int, work: 
         code = 1
         try:
             cg.join(os.getpid())
-            if s.mmap_threshold:
+            if mmap_threshold:
                 from worker import pin_mmap_threshold
 
-                pin_mmap_threshold(s.mmap_threshold)
-            train_trial(s, c, layers, rank, world, work / "rdv" / tag, nvme_dir)
+                pin_mmap_threshold(mmap_threshold)
+            value = train()
+            if value is not None:
+                value_file.write_text(json.dumps(value))
             code = 0
         except BaseException as err:  # noqa: BLE001 - reported to the parent
             import traceback
@@ -306,11 +322,10 @@ def run_trial(s: Settings, c: Config, layers: int, rank: int, world: int, work: 
             sys.stderr.flush()
             os._exit(code)
     try:
-        status, killed_for_peer = _wait(pid, s, trials, tag, rank, t0)
+        status, killed_for_peer = _wait(pid, timeout, trials, tag, rank, t0)
     finally:
         oom, peak = cg.oom_kills(), cg.peak()
         cg.remove()
-        shutil.rmtree(nvme_dir, ignore_errors=True)
     if status == 0:
         outcome = "ok"
     elif oom:
@@ -321,20 +336,22 @@ def run_trial(s: Settings, c: Config, layers: int, rank: int, world: int, work: 
         outcome = "timeout"
     else:
         outcome = "error"
-    result = {"tag": tag, "config": c.name, "layers": layers, "params": s.params(layers), "rank": rank,
-              "outcome": outcome, "exit": status, "peak_bytes": peak, "seconds": round(time.monotonic() - t0, 1)}
+    result = {"tag": tag, **(extra or {}), "rank": rank, "outcome": outcome, "exit": status, "peak_bytes": peak,
+              "seconds": round(time.monotonic() - t0, 1)}
     if error_file.exists():
         result["error"] = error_file.read_text()[:3000]
+    if value_file.exists():
+        result["value"] = json.loads(value_file.read_text())
     out = trials / f"{tag}.rank{rank}.json"
     out.with_suffix(".tmp").write_text(json.dumps(result))
     out.with_suffix(".tmp").rename(out)
     return result
 
 
-def _wait(pid: int, s: Settings, trials: Path, tag: str, rank: int, t0: float) -> tuple[int, bool]:
+def _wait(pid: int, timeout: float, trials: Path, tag: str, rank: int, t0: float) -> tuple[int, bool]:
     """The child's exit status, and whether it was killed because another rank's trial had failed."""
     killed_for_peer = False
-    deadline = t0 + s.trial_timeout + 30
+    deadline = t0 + timeout + 30
     while True:
         done, raw = os.waitpid(pid, os.WNOHANG)
         if done:

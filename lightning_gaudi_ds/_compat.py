@@ -61,6 +61,14 @@ __all__ = [
     "_move_state_into",
     "_validate_device_index_selection",
     "attached_trainer",
+    "attention_function",
+    "forget_mpu",
+    "register_attention_function",
+    "reset_autotp_kv_heads",
+    "ulysses_attention",
+    "ulysses_missing",
+    "with_attention_implementation",
+    "zero3_average_over_every_rank",
     "created_deepspeed_accelerator",
     "autotp_parse",
     "autotp_policy_names",
@@ -757,6 +765,92 @@ def lm_head_allreduce(head: Any, group: Any, model_config: Any, grain: int) -> A
         bias = None if head.bias is None else torch.nn.Parameter(head.bias.data, requires_grad=False)
         return LmHeadLinearAllreduce(torch.nn.Parameter(shard.clone(), requires_grad=False), rank, size, bias, group)
     return LmHeadLinearAllreduce(head, group, tp_meta=AutoTPMeta.from_model_config(model_config, grain))
+
+
+# ======================================================== sequence parallelism (lightning_gaudi_ds.sequence)
+# DeepSpeed-Ulysses' exchange: ``deepspeed.sequence.layer.DistributedAttention`` in Habana's fork (0.16.1) and
+# upstream. 0.16 splits heads unevenly whenever AutoTP's module-global key-value head count is set (by a
+# tensor-parallel engine earlier in the process); 0.17+ takes the count from the key tensor. The engine keeps the
+# ``mpu`` it was given in the module-global ``deepspeed.utils.groups.mpu``. transformers: the attention registry
+# (``AttentionInterface``, public) and a config's attention implementation, set on that config alone.
+def ulysses_missing() -> str | None:
+    """None when the installed DeepSpeed has ``deepspeed.sequence.layer.DistributedAttention``, else what is missing;
+    read from DeepSpeed's files, without importing it (importing DeepSpeed picks its accelerator)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or not spec.submodule_search_locations:
+        return "DeepSpeed is not installed"
+    layer = Path(next(iter(spec.submodule_search_locations))) / "sequence" / "layer.py"
+    if not layer.is_file():
+        return f"no {layer}"
+    if "class DistributedAttention" not in layer.read_text(errors="replace"):
+        return f"{layer} has no DistributedAttention"
+    return None
+
+
+def ulysses_attention(local_attention: Callable[..., Any], group: Any) -> Any:
+    """DeepSpeed's ``DistributedAttention`` around ``local_attention`` over ``group``: called as ``(query, key, value,
+    0, None, *args)`` with tensors ``(batch, sequence part, heads, head size)``."""
+    from deepspeed.sequence.layer import DistributedAttention
+
+    return DistributedAttention(local_attention, group)
+
+
+def reset_autotp_kv_heads() -> bool:
+    """DeepSpeed 0.16: forget the key-value head count AutoTP left module-global (it would send Ulysses' exchange
+    down its uneven-heads path); returns whether one was set. Nothing to do on 0.17+."""
+    import deepspeed.sequence.layer as layer
+
+    if not hasattr(layer, "get_num_kv_heads"):  # 0.17+: the count is the caller's
+        return False
+    from deepspeed.module_inject import tp_shard
+
+    if tp_shard.get_num_kv_heads() is None:
+        return False
+    tp_shard.set_num_kv_heads(None)
+    return True
+
+
+def forget_mpu(mpu: Any) -> None:
+    """Clear DeepSpeed's module-global ``groups.mpu`` if it is ``mpu``: an engine built later without one would
+    otherwise take its groups."""
+    import sys
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None and getattr(groups, "mpu", None) is mpu:
+        groups.mpu = None  # type: ignore[attr-defined]
+
+
+def zero3_average_over_every_rank(optimizer: Any) -> None:
+    """ZeRO-3's optimizer (``DeepSpeedZeroOptimizer_Stage3``) made to average gradients over every rank in each of its
+    reduction paths: its ``sequence_parallel_size`` (read at each reduction, 0.16 to 0.19) set to 1."""
+    optimizer.sequence_parallel_size = 1
+
+
+def attention_function(name: str) -> Callable[..., Any]:
+    """transformers' registered attention function ``name`` (``"sdpa"``, ``"flash_attention_2"``, ...)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def register_attention_function(name: str, function: Callable[..., Any]) -> None:
+    """Register ``function`` as attention implementation ``name`` in transformers (its documented
+    ``AttentionInterface.register``); registering it again is harmless."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, function)
+
+
+def with_attention_implementation(config: Any, name: str) -> Any:
+    """``config`` naming attention implementation ``name``; its sub-configs (shared with the original when
+    ``config`` is a shallow copy) untouched, as the public setter would change them too."""
+    if "_attn_implementation_internal" in vars(config):
+        config._attn_implementation_internal = name
+    else:  # transformers without the internal field
+        config._attn_implementation = name
+    return config
 
 
 # ===================================================================== memory planner (lightning_gaudi_ds.planning)

@@ -25,6 +25,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_gaudi_ds import checkpoint as ckpt
@@ -49,8 +50,10 @@ class HPUDeepSpeedStrategy(DeepSpeedCore, DeepSpeedStrategy):
     less its inference engine's and the fit loop's: ``stage`` (0-3 or ``"auto"``, chosen when ``fabric.setup`` sees
     the model), ``device_memory``, ``measure_activations``, ``config`` (path or dict, ``PL_DEEPSPEED_CONFIG_PATH``
     when unset; its ``"auto"`` values are filled from Fabric's precision, world size and the model), offload,
-    ``hpu_mode``, ``torch_compile``, ``number_checkpoints``, ``zero3_leaf_modules``, ``hpz``, and every other
-    argument of :class:`lightning.fabric.strategies.DeepSpeedStrategy` by keyword.
+    ``hpu_mode``, ``torch_compile``, ``number_checkpoints``, ``zero3_leaf_modules``, ``hpz``,
+    ``sequence_parallel_size`` and ``sequence_parallel_modules`` (the loaders of ``fabric.setup_dataloaders`` yield
+    each rank's part of the sequences; ``strategy.sequence_parallel.shard(batch)`` splits another batch), and every
+    other argument of :class:`lightning.fabric.strategies.DeepSpeedStrategy` by keyword.
     """
 
     def __init__(
@@ -72,6 +75,8 @@ class HPUDeepSpeedStrategy(DeepSpeedCore, DeepSpeedStrategy):
         number_checkpoints: int | None = None,
         zero3_leaf_modules: Sequence[type[Module] | str] | None = None,
         hpz: bool = False,
+        sequence_parallel_size: int | None = None,
+        sequence_parallel_modules: Sequence[type[Module] | str] | None = None,
         **kwargs: Any,
     ) -> None:
         _refuse_trainer_only(kwargs)
@@ -83,7 +88,7 @@ class HPUDeepSpeedStrategy(DeepSpeedCore, DeepSpeedStrategy):
         self._check_arguments(arguments, Options(
             device_memory=device_memory, measure_activations=measure_activations, hpu_mode=hpu_mode,
             torch_compile=torch_compile, number_checkpoints=number_checkpoints, zero3_leaf_modules=zero3_leaf_modules,
-            hpz=hpz,
+            hpz=hpz, sequence_parallel_size=sequence_parallel_size, sequence_parallel_modules=sequence_parallel_modules,
         ))
         super().__init__(**arguments)
         self._adopt_arguments(config=config, offload_parameters=offload_parameters)
@@ -138,6 +143,7 @@ class HPUDeepSpeedStrategy(DeepSpeedCore, DeepSpeedStrategy):
             optimizer, _ = train.optimizer_sources(self.config, optimizer, None, self.device_spec.device_type,
                                                    rank_zero_info, fabric=True)
         self._runtime.before_engine(model, self.root_device)
+        self._sequence.wrap(model)  # sequence parallelism: the all-to-all around attention
         return self._deepspeed_initialize(model, optimizer, scheduler)
 
     @override
@@ -147,6 +153,11 @@ class HPUDeepSpeedStrategy(DeepSpeedCore, DeepSpeedStrategy):
         if self._unresolved is not None and self.zero_stage_3:
             raise self._unresolved
         return self._zero_init_context(super().module_sharded_context)
+
+    @override
+    def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
+        # sequence parallelism: the loaders of fabric.setup_dataloaders yield each rank's part of the sequences
+        return self._sequence.process_dataloader(super().process_dataloader(dataloader))
 
     # ------------------------------------------ engine calls: HPU lazy-mode graph breaks (engine.step)
     backward = engine_call(DeepSpeedStrategy.backward)

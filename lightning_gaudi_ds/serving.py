@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 class TensorParallelServing:
     """The serving hooks, as a mixin before the Trainer's ``HPUDeepSpeedStrategy`` (whose attributes it reads)."""
 
+    _serves_tensor_parallel = True  # sequence parallelism is refused with it (lightning_gaudi_ds.sequence)
+
     if TYPE_CHECKING:
         _serving_arguments: dict[str, Any]
         _inference_config: dict[str, Any]

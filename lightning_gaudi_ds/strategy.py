@@ -91,6 +91,13 @@ class HPUDeepSpeedStrategy(DeepSpeedCore, DeepSpeedStrategy):
             of the parameters over the devices of its node, so that the backward all-gather stays inside the node
             (``zero_optimization.zero_hpz_partition_size``, "auto": the devices per node). Refused below stage 3, on
             one node, or where DeepSpeed lacks it; see :mod:`lightning_gaudi_ds.config.zeropp`.
+        sequence_parallel_size: DeepSpeed-Ulysses sequence parallelism: ``K`` ranks share each sequence, each holding
+            ``1/K`` of it (the batch is split along the sequence, attention runs after an all-to-all on ``1/K`` of the
+            heads); ``world / K`` sequences train at once. Default: the config's ``sequence_parallel_size``, else 1.
+            Hugging Face models need nothing else; see :mod:`lightning_gaudi_ds.sequence`.
+        sequence_parallel_modules: with ``sequence_parallel_size``, your own attention module classes (or import
+            paths): modules whose forward takes query, key and value of shape (batch, heads, sequence, head size)
+            first and returns the attention output so shaped.
         resume_data_position: a fit resumed from a checkpoint saved mid-epoch goes on with the batch after the last
             one it consumed, the train loader skipping the epoch's first batches by sampler index (default);
             ``False``: Lightning's behaviour, a plain DataLoader re-reads the epoch from its start. See
@@ -125,6 +132,8 @@ class HPUDeepSpeedStrategy(DeepSpeedCore, DeepSpeedStrategy):
         enable_cuda_graph: bool | None = None,
         zero3_leaf_modules: Sequence[type[Module] | str] | None = None,
         hpz: bool = False,
+        sequence_parallel_size: int | None = None,
+        sequence_parallel_modules: Sequence[type[Module] | str] | None = None,
         resume_data_position: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -145,7 +154,7 @@ class HPUDeepSpeedStrategy(DeepSpeedCore, DeepSpeedStrategy):
         self._check_arguments(arguments, Options(
             device_memory=device_memory, measure_activations=measure_activations, hpu_mode=hpu_mode,
             torch_compile=torch_compile, number_checkpoints=number_checkpoints, zero3_leaf_modules=zero3_leaf_modules,
-            hpz=hpz,
+            hpz=hpz, sequence_parallel_size=sequence_parallel_size, sequence_parallel_modules=sequence_parallel_modules,
         ))
         self._inference_config: dict[str, Any] = {}  # the inference keys of `config`, set by _load_config
         # Each argument by name and `**kwargs` as such: jsonargparse (LightningCLI) follows `**kwargs` into
@@ -189,6 +198,7 @@ class HPUDeepSpeedStrategy(DeepSpeedCore, DeepSpeedStrategy):
 
     def _check_trainer(self, trainer: pl.Trainer | None) -> None:
         check_trainer(trainer, serving=False)
+        self._sequence.check_trainer(trainer)  # sequence parallelism: trainer.predict refused
 
     @override
     def setup_distributed(self) -> None:
@@ -203,6 +213,8 @@ class HPUDeepSpeedStrategy(DeepSpeedCore, DeepSpeedStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._runtime.before_engine(self.lightning_module, self.root_device)
+        assert trainer.lightning_module is not None
+        self._sequence.wrap(trainer.lightning_module)  # sequence parallelism: the all-to-all around attention
         with third_party_deprecations_silenced():
             super().setup(trainer)
 
@@ -263,6 +275,11 @@ class HPUDeepSpeedStrategy(DeepSpeedCore, DeepSpeedStrategy):
     @override
     def _init_optimizers(self) -> tuple[Optimizer, LRSchedulerConfig | None]:
         return train.init_optimizers(super()._init_optimizers, self.lightning_module, self.config)
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        # sequence parallelism: this rank's part of every sequence
+        return self._sequence.shard(super().batch_to_device(batch, device, dataloader_idx))
 
     backward = engine_call(DeepSpeedStrategy.backward)
     training_step = engine_call(DeepSpeedStrategy.training_step, graph_break=False)

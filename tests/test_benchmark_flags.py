@@ -31,6 +31,12 @@ COMMITTED = REPO / "benchmarks" / "results"
         ("capacity", ["--trial-timeout", "nan"], "--trial-timeout"),
         ("capacity", ["--mmap-threshold", "0"], "--mmap-threshold"),
         ("capacity", ["--world", "two"], "--world"),
+        ("sequence", ["--cap", "lots"], "--cap"),
+        ("sequence", ["--sizes", "1", "3"], "--sizes"),
+        ("sequence", ["--hidden", "100"], "--hidden"),
+        ("sequence", ["--steps", "0"], "--steps"),
+        ("sequence", ["--tolerance", "1"], "--tolerance"),
+        ("sequence", ["--world", "two"], "--world"),
         ("planner", ["--hidden", "0"], "--hidden"),
         ("planner", ["--timeout", "-5"], "--timeout"),
         ("recipes", ["--steps", "0"], "--steps"),
@@ -77,6 +83,34 @@ def test_capacity_report_only_on_an_empty_folder_says_so(tmp_path: Path, capsys:
     err = capsys.readouterr().err
     assert f"no results to report in {tmp_path} (no capacity.jsonl)" in err and "Run capacity.py first" in err
     assert not list(tmp_path.iterdir())
+
+
+def test_sequence_report_only_on_an_empty_folder_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import sequence
+
+    assert sequence.main(["--report-only", "--no-readme", "--out", str(tmp_path)]) == 2
+    assert f"no results to report in {tmp_path} (no sequence.jsonl)" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_sequence_report_is_rebuilt_from_the_committed_rows(tmp_path: Path) -> None:
+    """The committed table is what --report-only makes of the committed rows (K = 2 at least 1.8x K = 1's longest)."""
+    import sequence
+
+    (tmp_path / "sequence.jsonl").write_bytes((COMMITTED / "sequence" / "sequence.jsonl").read_bytes())
+    assert sequence.main(["--report-only", "--no-readme", "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "sequence.md").read_text()
+    assert table == (COMMITTED / "sequence" / "sequence.md").read_text()
+    assert "K = 2 trains sequences" in table and "(goal >= 1.8) ✓" in table
+
+
+def test_sequence_refuses_to_measure_without_a_cgroup(monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import sequence
+
+    monkeypatch.setattr(sequence, "check_cgroups", lambda: "no memory cgroup controller: test")
+    assert sequence.main(["--world", "2", "--sizes", "1", "2", "--out", str(tmp_path)]) == sequence.EXIT_NO_CGROUP
+    assert "Not measuring" in capsys.readouterr().err and not list(tmp_path.iterdir())
 
 
 def test_a_capacity_report_that_fails_leaves_the_last_results_as_they_were(tmp_path: Path,

@@ -628,6 +628,96 @@ def test_subprocess_launcher_starts_its_children_in_call_children_scripts() -> N
         " os.environ: update _compat.start_children_with (the Gaudi ranks' PT_HPU_LAZY_MODE and defaults)")
 
 
+# ======================================================== sequence parallelism (lightning_gaudi_ds.sequence)
+def test_ulysses_distributed_attention_as_called() -> None:
+    """``DistributedAttention(local_attention, group)`` and its forward ``(query, key, value, batch_dim_idx,
+    rotary_pos_emb, *args)``, which passes ``args`` to the local attention (sequence.attention.Exchange)."""
+    used_by = "sequence.attention.Exchange (Ulysses' all-to-all)"
+    assert _compat.ulysses_missing() is None, f"{DEEPSPEED}: {_compat.ulysses_missing()}, used by {used_by}"
+    cls = _attr("deepspeed.sequence.layer", "DistributedAttention", DEEPSPEED, used_by)
+    init = list(inspect.signature(cls.__init__).parameters)
+    assert init[1:3] == ["local_attention", "sequence_process_group"], f"{DEEPSPEED} changed {init}; {used_by}"
+    forward = inspect.signature(cls.forward).parameters
+    assert list(forward)[1:6] == ["query", "key", "value", "batch_dim_idx", "rotary_pos_emb"], (
+        f"{DEEPSPEED} changed DistributedAttention.forward{list(forward)}; {used_by}")
+    assert any(p.kind is p.VAR_POSITIONAL for p in forward.values()), f"{DEEPSPEED}: no *args; {used_by}"
+    assert "self.local_attn(query_layer, key_layer, value_layer, *args, **kwargs)" in inspect.getsource(cls.forward)
+
+
+def test_ulysses_missing_reads_the_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    fake = SimpleNamespace(submodule_search_locations=[str(tmp_path)])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: fake)
+    assert "no " in (_compat.ulysses_missing() or "")
+    (tmp_path / "sequence").mkdir()
+    (tmp_path / "sequence" / "layer.py").write_text("class Other: pass\n")
+    assert "has no DistributedAttention" in (_compat.ulysses_missing() or "")
+
+
+def test_autotp_kv_heads_global_of_deepspeed_016() -> None:
+    import deepspeed.sequence.layer as layer
+
+    if not hasattr(layer, "get_num_kv_heads"):  # 0.17+: the all-to-all takes the count from the key tensor
+        assert "num_kv_heads" in inspect.signature(layer.single_all_to_all).parameters, DEEPSPEED
+        assert _compat.reset_autotp_kv_heads() is False
+        return
+    from deepspeed.module_inject import tp_shard
+
+    tp_shard.set_num_kv_heads(4)
+    assert layer.get_num_kv_heads() == 4
+    assert _compat.reset_autotp_kv_heads() is True and layer.get_num_kv_heads() is None
+    assert _compat.reset_autotp_kv_heads() is False
+
+
+def test_deepspeed_keeps_the_mpu_in_groups() -> None:
+    groups = importlib.import_module("deepspeed.utils.groups")
+    assert hasattr(groups, "mpu"), f"{DEEPSPEED} removed deepspeed.utils.groups.mpu, cleared by _compat.forget_mpu"
+    engine = inspect.getsource(importlib.import_module("deepspeed.runtime.engine").DeepSpeedEngine)
+    assert "groups.mpu = self.mpu" in engine, f"{DEEPSPEED}: the engine no longer sets groups.mpu (forget_mpu)"
+    mine, other = object(), object()
+    groups.mpu = mine
+    try:
+        _compat.forget_mpu(other)
+        assert groups.mpu is mine
+        _compat.forget_mpu(mine)
+        assert groups.mpu is None
+    finally:
+        groups.mpu = None
+
+
+def test_zero3_reads_sequence_parallel_size_at_each_reduction() -> None:
+    """ZeRO-3 divides by ``world / self.sequence_parallel_size`` where it corrects for sequence parallelism (and its
+    reduce-scatter path averages over the world): _compat.zero3_average_over_every_rank sets the attribute to 1."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    source = inspect.getsource(DeepSpeedZeroOptimizer_Stage3)
+    assert "self.sequence_parallel_size = groups._get_sequence_parallel_world_size()" in source, DEEPSPEED
+    uses = re.findall(r"/ float\(self\.sequence_parallel_size\)", source)
+    assert uses, f"{DEEPSPEED}: ZeRO-3 no longer corrects by self.sequence_parallel_size; see sequence.runtime"
+    optimizer = SimpleNamespace(sequence_parallel_size=4)
+    _compat.zero3_average_over_every_rank(optimizer)
+    assert optimizer.sequence_parallel_size == 1
+
+
+def test_transformers_attention_registry_and_config_field() -> None:
+    pytest.importorskip("transformers")
+    from transformers import AttentionInterface, LlamaConfig
+    from transformers.modeling_utils import PreTrainedModel
+
+    library = f"transformers {version('transformers')}"
+    assert callable(_compat.attention_function("sdpa")), library
+    _compat.register_attention_function("lightning_gaudi_ds_test", _compat.attention_function("sdpa"))
+    assert "lightning_gaudi_ds_test" in AttentionInterface._global_mapping
+    AttentionInterface._global_mapping.pop("lightning_gaudi_ds_test")
+    config = LlamaConfig(num_hidden_layers=1)
+    assert "_attn_implementation_internal" in vars(config), f"{library} renamed the config's attention field"
+    _compat.with_attention_implementation(config, "eager")
+    assert config._attn_implementation == "eager"
+    setter = PreTrainedModel.loss_function.fset  # sequence.hf sets a model's loss function
+    assert setter is not None, f"{library}: PreTrainedModel.loss_function can no longer be set"
+
+
 # ================================================================ Hugging Face transformers (lightning_gaudi_ds.hf)
 def test_transformers_deepspeed_config_global() -> None:
     pytest.importorskip("transformers")

@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "launch._proc", "planning.units", "planning.buckets",
     )),
     ("the libraries' private names, the devices", ("_lightning_errors", "_compat", "_classes", "hpu", "devices")),
-    ("services that know no strategy or config", ("jit_ops", "launch", "checkpoint", "planning")),
+    ("services that know no strategy or config", ("jit_ops", "launch", "checkpoint", "planning", "sequence")),
     ("DeepSpeed configs", ("config",)),
     ("what DeepSpeed's engines are given, Hugging Face models", ("engine", "hf")),
     ("the core under both strategies", ("core",)),

@@ -14,6 +14,7 @@ from torch import nn
 from lightning_gaudi_ds import plan_memory
 from lightning_gaudi_ds.planning import Buckets, ModelSpec, choose, comm_bytes_per_param, model_states, parse_bytes
 from lightning_gaudi_ds.planning.activations import measure_activation_bytes
+from lightning_gaudi_ds.planning.memory import format_table
 from lightning_gaudi_ds.planning.model import build_on_meta, import_class, spec_from_hf_config, spec_from_module
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "results.jsonl"
@@ -176,6 +177,21 @@ def test_activations_are_added_to_the_device_side():
     assert more["device_bytes"] - base["device_bytes"] == 12345 and base["activation_bytes"] is None
 
 
+def test_sequence_parallelism_splits_the_activations_only():
+    """K ranks sharing each sequence hold 1/K of the micro batch's activations each; ZeRO partitions the model
+    states over every rank as before."""
+    one, = plan_memory(1e6, devices=4, activation_bytes=12345, configurations=[(3, False, False)])
+    four, = plan_memory(1e6, devices=4, activation_bytes=12345, configurations=[(3, False, False)],
+                        sequence_parallel_size=4)
+    assert four["activation_bytes"] == 3087 and four["sequence_parallel_size"] == 4  # ceil(12345 / 4)
+    assert one["device_bytes"] - four["device_bytes"] == 12345 - 3087
+    assert one["device_model_state_bytes"] == four["device_model_state_bytes"]
+    assert "1/4 per rank: sequence parallelism" in format_table([four])
+    for bad in (3, 0, True):
+        with pytest.raises(ValueError, match=f"sequence_parallel_size={bad!r} must be a positive integer dividing"):
+            plan_memory(1e6, devices=4, sequence_parallel_size=bad)
+
+
 # ------------------------------------------------------------------------------------------ the choice
 def test_choice_takes_the_lowest_stage_without_offload_first():
     # 1e9 parameters on 8 Gaudis, bf16-mixed, Adam, Lightning's 2e8-element buckets; the larger of backward and
@@ -331,6 +347,9 @@ def test_cli_json(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 8 and rows[0]["params"] == 1_300_000_000 and rows[0]["device_memory"] == 24 * 2**30
     assert rows == plan_memory(1.3e9, devices=4, device_memory="24GiB", host_memory="64GB")
+    assert main(["plan", "--params", "1.3e9", "--devices", "4", "--device-memory", "24GiB", "--host-memory", "64GB",
+                 "--sequence-parallel-size", "2", "--json"]) == 0
+    assert all(r["sequence_parallel_size"] == 2 for r in json.loads(capsys.readouterr().out))
 
 
 def test_cli_table_and_model_source(capsys):

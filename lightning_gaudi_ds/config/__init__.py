@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from lightning_gaudi_ds.config.load import (
         ENV_VAR,
         INLINE_KEYS,
+        READ_BY_THE_PACKAGE,
         ConfigError,
         ConfigNotFoundError,
         check_activation_checkpointing,
@@ -72,6 +73,7 @@ __all__ = [
     "CONFIG_FILENAME",
     "ENV_VAR",
     "INLINE_KEYS",
+    "READ_BY_THE_PACKAGE",
     "STRATEGY_ARG_KEYS",
     "TRAINER_KEYS",
     "ZERO",
@@ -113,6 +115,7 @@ _EXPORTS = {
     "ConfigResolver": "resolve",
     "ENV_VAR": "load",
     "INLINE_KEYS": "load",
+    "READ_BY_THE_PACKAGE": "load",
     "Resolved": "resolve",
     "STRATEGY_ARG_KEYS": "keys",
     "StrategyConfig": "state",

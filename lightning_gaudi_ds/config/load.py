@@ -62,6 +62,9 @@ _SECTION_CONSTANTS = (
 INLINE_KEYS = frozenset(
     {"pipeline", "hybrid_engine", "compile", "weight_quantization", "tensor_parallel", "sequence_parallel_size"}
 )
+# Keys of INLINE_KEYS this package reads itself, so that they act on any DeepSpeed: the strategy's sequence
+# parallelism (lightning_gaudi_ds.sequence; DeepSpeed 0.16 reads no such key).
+READ_BY_THE_PACKAGE = frozenset({"sequence_parallel_size"})
 _IDENTIFIER = re.compile(r"[a-z][a-z0-9_]*")
 
 
@@ -185,7 +188,7 @@ def config_problems(config: Mapping[str, Any]) -> list[str]:
             problems.append(f"{key}: removed from DeepSpeed. {removed_top[key]}")
         elif key not in top:
             problems.append(_unknown(key, top, "", suggest=len(problems) < MAX_PROBLEMS))
-        elif key in INLINE_KEYS and not deepspeed_reads_config_key(key):
+        elif key in INLINE_KEYS and key not in READ_BY_THE_PACKAGE and not deepspeed_reads_config_key(key):
             problems.append(f"{key}: DeepSpeed {deepspeed_version()} does not read this key (later releases do), so"
                             " it would have no effect. Remove it, or install a DeepSpeed that reads it.")
     section = config.get(ZERO)

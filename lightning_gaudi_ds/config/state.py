@@ -67,6 +67,8 @@ class StrategyConfig(ConfigResolver):
         super().__init__(explicit_args)
         self.auto = auto_stage
         self.hpz = hpz  # HPUDeepSpeedStrategy(hpz=True): ZeRO++ hpZ over the devices of one node (zeropp.py)
+        # Ranks per sequence (the strategy's sequence parallelism): DeepSpeed's data-parallel world is world / K.
+        self.sequence_parallel_size = 1
         self.chosen: dict[str, Any] | None = None  # stage="auto": what setup chose
         self._for: Hashable | None = None  # what the last resolution was made for (see ensure_resolved)
 
@@ -141,7 +143,8 @@ class StrategyConfig(ConfigResolver):
         )
         spec = device_spec(placement.device) if placement.device is not None else None
         return self.resolve(config, AutoContext(
-            world_size=placement.world_size, precision=precision, hidden_size=hidden,
+            world_size=max(1, placement.world_size // self.sequence_parallel_size),  # sequences trained at once
+            precision=precision, hidden_size=hidden,
             device_type=spec.device_type if spec is not None else None,
             zero_defaults=spec.zero_defaults if spec is not None else {},
             devices_per_node=placement.devices or None, **facts,
@@ -173,6 +176,7 @@ class StrategyConfig(ConfigResolver):
         return auto.inputs_for_module(
             module, self.auto, device=placement.device, devices=placement.devices, nodes=placement.nodes,
             precision=precision, zero_config=self.as_resolved(config).get("zero_optimization"),
+            sequence_parallel_size=self.sequence_parallel_size,  # activations split K ways
         )
 
     def as_resolved(self, config: dict[str, Any]) -> dict[str, Any]:

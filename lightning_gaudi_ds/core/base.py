@@ -40,6 +40,7 @@ from lightning_gaudi_ds.jit_ops.startup import prepare_startup
 from lightning_gaudi_ds.launch import envvars
 from lightning_gaudi_ds.launch.environments import check_launcher_world_size, launcher_num_nodes, resolve_environment
 from lightning_gaudi_ds.launch.rendezvous import bounded_rendezvous, waiting_message
+from lightning_gaudi_ds.sequence import SequenceParallel
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -74,6 +75,7 @@ class DeepSpeedCore:
         zero_stage_3: bool
         parallel_devices: list[torch.device] | None
         cluster_environment: ClusterEnvironment | None
+        remote_device: str | None
         loss_scale: float
         loss_scale_window: int
         min_loss_scale: int
@@ -98,6 +100,9 @@ class DeepSpeedCore:
 
     _resolver: StrategyConfig
     _runtime: DeviceRuntime
+    _sequence: SequenceParallel
+    #: Whether the strategy serves a tensor-parallel model (which sequence parallelism cannot be combined with).
+    _serves_tensor_parallel: bool = False
 
     # ------------------------------------------------------------------------------------------ arguments
     def _check_arguments(self, arguments: dict[str, Any], options: Options) -> None:
@@ -130,6 +135,9 @@ class DeepSpeedCore:
             checkpointing.set_number_checkpoints(self.config, options.number_checkpoints)
         self._runtime = DeviceRuntime(requested_mode=options.hpu_mode, requested_compile=options.torch_compile)
         self._leaf_modules = hf.leaf_module_classes(options.zero3_leaf_modules)
+        self._sequence = SequenceParallel.create(options.sequence_parallel_size, options.sequence_parallel_modules,
+                                                 self.config, serving=self._serves_tensor_parallel)
+        self._resolver.sequence_parallel_size = self._sequence.size
 
     @property
     def _precision_name(self) -> str:
@@ -155,6 +163,17 @@ class DeepSpeedCore:
     def chosen_configuration(self) -> dict[str, Any] | None:
         """``stage="auto"``: the configuration setup chose (stage, offload), None before or for a fixed stage."""
         return self._resolver.chosen
+
+    @property
+    def sequence_parallel(self) -> SequenceParallel:
+        """Sequence parallelism (``sequence_parallel_size``): its size, this rank's groups once started, and
+        ``shard(batch)`` for batches the strategy does not see (see :mod:`lightning_gaudi_ds.sequence`)."""
+        return self._sequence
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # with sequence parallelism, the K ranks of a group read the same samples
+        return self._sequence.sampler_kwargs(super().distributed_sampler_kwargs)  # type: ignore[misc]
 
     @property
     def zero_stage(self) -> int:
@@ -205,6 +224,7 @@ class DeepSpeedCore:
             config_source=self._resolver.source,
         )
         self._runtime.at_trainer(self.parallel_devices[0].type)
+        self._sequence.before_launch(len(self.parallel_devices) * self.num_nodes)
 
     def _adopt_launcher(self) -> None:
         """Before the ranks are set (the Trainer's constructor calls ``set_world_ranks`` before
@@ -253,6 +273,7 @@ class DeepSpeedCore:
                         self.world_size, shm_comm=self._shm_comm(), local_size=self._runtime.local_size)
         with self._runtime.deepspeed_calls():
             self._init_deepspeed_distributed()
+        self._sequence.start()  # sequence parallelism: its process groups (a collective)
 
     def _shm_comm(self) -> str | None:
         """The ``LIGHTNING_GAUDI_DS_SHM_COMM`` mode this run needs; None leaves the user's (or the default)."""
@@ -313,7 +334,9 @@ class DeepSpeedCore:
                 optimizer=optimizer,
                 lr_scheduler=lr_scheduler,
                 dist_init_required=False,
+                mpu=self._sequence.mpu,  # sequence parallelism's groups (None: none)
             )
+        self._sequence.engine_ready(engine)  # sequence parallelism: ZeRO-3's gradient average
         _compat.reset_zero3_trace_at_outer_forward_only(engine)
         _compat.give_bf16_optimizer_zero_grad(ds_optimizer)
         self._runtime.compile_engine(engine)
@@ -329,7 +352,9 @@ class DeepSpeedCore:
             config = self.config if self.zero_stage_3 else None
             stack.enter_context(hf.zero3_loading(config))
             with zeropp.engine_group(config):  # ZeRO++ hpZ: DeepSpeed's process-wide group made this config's
-                stack.enter_context(start())
+                # sequence parallelism: zero.Init given its groups as mpu
+                stack.enter_context(self._sequence.sharded_context(start, self.config, self.remote_device,
+                                                                   enabled=self.zero_stage_3))
             return stack.pop_all()
 
     def _mark_leaf_modules(self, model: Module) -> None:
@@ -350,4 +375,5 @@ class DeepSpeedCore:
     def teardown(self) -> None:
         super().teardown()  # type: ignore[misc]
         self._runtime.teardown()
+        self._sequence.teardown()  # sequence parallelism: the model's attention as it was
 

@@ -25,3 +25,5 @@ class Options:
     number_checkpoints: int | None = None
     zero3_leaf_modules: Sequence[type[Module] | str] | None = None
     hpz: bool = False
+    sequence_parallel_size: int | None = None
+    sequence_parallel_modules: Sequence[type[Module] | str] | None = None

@@ -11,6 +11,7 @@ from lightning_gaudi_ds.planning.memory import (
     fastest_fitting,
     model_states,
     plan_memory,
+    sequence_parallel_activation_bytes,
 )
 from lightning_gaudi_ds.planning.units import format_bytes, parse_bytes
 
@@ -28,4 +29,5 @@ __all__ = [
     "parse_bytes",
     "plan_memory",
     "plan_rows",
+    "sequence_parallel_activation_bytes",
 ]

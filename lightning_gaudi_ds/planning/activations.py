@@ -21,6 +21,7 @@ from torch import nn
 
 from lightning_gaudi_ds._compat import TorchDispatchMode
 from lightning_gaudi_ds.errors import ArgumentTypeError
+from lightning_gaudi_ds.planning.memory import sequence_parallel_activation_bytes  # noqa: F401  (part of this API)
 from lightning_gaudi_ds.precisions import PRECISION_DTYPES
 
 

@@ -91,11 +91,12 @@ def inputs_for_module(
     precision: str,
     zero_config: Mapping[str, Any] | None = None,
     spec: ModelSpec | None = None,
+    sequence_parallel_size: int = 1,
 ) -> PlanInputs:
     """What ``stage="auto"`` plans with (:class:`PlanInputs`, built as ``plan`` builds them): the module's
     parameters, ``device``'s type and memory (``auto``'s, else read from it), the host's memory, the activations
-    of one micro batch when asked, and the buckets of ``zero_config`` (the section as the strategy starts
-    resolving it)."""
+    of one micro batch when asked (``1/sequence_parallel_size`` of them per rank), and the buckets of
+    ``zero_config`` (the section as the strategy starts resolving it)."""
     from lightning_gaudi_ds.planning.detect import detect_device_memory, detect_host_memory
 
     return PlanInputs.build(
@@ -104,6 +105,7 @@ def inputs_for_module(
         device_memory=auto.device_memory or detect_device_memory(device.type),
         host_memory=auto.host_memory or detect_host_memory(), headroom=auto.headroom,
         activation_bytes=activation_bytes_of(module, precision, device) if auto.measure_activations else None,
+        sequence_parallel_size=sequence_parallel_size,
     )
 
 

@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="run one forward/backward of one micro batch on one device and add its peak")
     act.add_argument("--batch-size", type=int, default=1, help="micro batch for --hf-config (default 1)")
     act.add_argument("--seq-len", type=int, help="sequence length for --hf-config (default: the model's maximum)")
+    act.add_argument("--sequence-parallel-size", type=int, default=1, metavar="K",
+                     help="ranks sharing each sequence (sequence parallelism): each holds 1/K of the activations")
     step = parser.add_argument_group("step time (--step-time)")
     step.add_argument("--step-time", action="store_true",
                       help="also predict samples/s per configuration (compute, communication, optimizer step)")
@@ -63,11 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # Options whose value may start with "-": argparse would take "-7e9" or "-24GiB" for an option ("expected one
 # argument"); joined as "--params=-7e9" they reach the checks below, which name what is allowed.
 _VALUE_OPTIONS = ("--params", "--hidden-size", "--devices", "--nodes", "--device-memory", "--host-memory",
-                  "--param-groups", "--headroom", "--batch-size", "--seq-len", "--flops-per-sample", "--efficiency")
+                  "--param-groups", "--headroom", "--batch-size", "--seq-len", "--flops-per-sample", "--efficiency",
+                  "--sequence-parallel-size")
 # Whole-number options: (what the number means) for the message; each must be >= 1.
 _COUNTS = {"devices": "devices per node", "nodes": "nodes", "param_groups": "the optimizer's parameter groups",
            "hidden_size": "the model's hidden size", "batch_size": "samples per micro batch",
-           "seq_len": "tokens per sample"}
+           "seq_len": "tokens per sample", "sequence_parallel_size": "ranks sharing each sequence"}
 
 
 def prepare_args(argv: list[str]) -> list[str]:
@@ -137,6 +140,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 device_memory=device_memory or detect_device_memory(args.device),
                 host_memory=host_memory or detect_host_memory(), headroom=args.headroom,
                 activation_bytes=activations, param_groups=args.param_groups, hpz=args.hpz,
+                sequence_parallel_size=args.sequence_parallel_size,
             ))
 
         rows = plan(spec)

@@ -28,9 +28,10 @@ class PlanInputs:
     device_memory: int | None = None
     host_memory: int | None = None
     headroom: float = DEFAULT_HEADROOM
-    activation_bytes: int | None = None
+    activation_bytes: int | None = None  # of one micro batch on one device
     param_groups: int = 1
     hpz: bool = False  # ZeRO-3 rows with hpZ (zero_hpz_partition_size = devices per node)
+    sequence_parallel_size: int = 1  # ranks sharing each sequence: each holds 1/K of the activations
 
     @classmethod
     def build(cls, spec: ModelSpec, *, device_type: str, zero_config: Mapping[str, Any] | None = None,
@@ -55,5 +56,5 @@ def plan_rows(inputs: PlanInputs,
         optimizer=inputs.optimizer, device_memory=inputs.device_memory, host_memory=inputs.host_memory,
         headroom=inputs.headroom, activation_bytes=inputs.activation_bytes, buckets=inputs.buckets,
         param_groups=inputs.param_groups, configurations=configurations, device_type=inputs.device_type,
-        fused_optimizer=inputs.fused_optimizer, hpz=inputs.hpz,
+        fused_optimizer=inputs.fused_optimizer, hpz=inputs.hpz, sequence_parallel_size=inputs.sequence_parallel_size,
     )

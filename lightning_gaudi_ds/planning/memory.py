@@ -335,6 +335,17 @@ def check_hpz(hpz: bool, devices: int, nodes: int) -> None:
                          " bytes only")
 
 
+def sequence_parallel_activation_bytes(activation_bytes: int, sequence_parallel_size: int) -> int:
+    """The activations one rank holds when ``sequence_parallel_size`` ranks share each sequence (DeepSpeed-Ulysses,
+    ``HPUDeepSpeedStrategy(sequence_parallel_size=K)``), from ``activation_bytes`` of the whole micro batch on one
+    device: ``1/K`` of them. Every tensor kept for backward is split: along the sequence outside attention, along the
+    heads inside it (where a ``(heads, sequence, sequence)`` score matrix, if any, becomes ``heads / K`` of them)."""
+    if isinstance(sequence_parallel_size, bool) or not isinstance(sequence_parallel_size, int) \
+            or sequence_parallel_size < 1:
+        raise PlanError(f"sequence_parallel_size={sequence_parallel_size!r} must be a positive integer")
+    return -(-int(activation_bytes) // sequence_parallel_size)
+
+
 def plan_memory(
     model: ModelSpec | int | float,
     *,
@@ -352,6 +363,7 @@ def plan_memory(
     device_type: str | None = None,
     fused_optimizer: bool | None = None,
     hpz: bool = False,
+    sequence_parallel_size: int = 1,
 ) -> list[dict[str, Any]]:
     """Predicted bytes per rank for ZeRO stages 0-3 with and without offload, fastest configuration first.
 
@@ -373,6 +385,10 @@ def plan_memory(
             strategy decides for ``optimizer`` on ``device_type`` (:func:`~lightning_gaudi_ds.devices.fuses_adam`).
         hpz: the ZeRO-3 rows with ZeRO++'s hierarchical partitioning (``zero_hpz_partition_size`` = ``devices``):
             each rank holds a secondary partition of the parameters, and the backward all-gather stays in the node.
+        sequence_parallel_size: ranks sharing each sequence (``HPUDeepSpeedStrategy(sequence_parallel_size=K)``):
+            each holds ``1/K`` of ``activation_bytes``
+            (:func:`~lightning_gaudi_ds.planning.activations.sequence_parallel_activation_bytes`); ZeRO still
+            partitions the model states over every rank, so they do not change.
 
     The device peak is the larger of two moments: backward (the states at the step's entry, DeepSpeed's
     buckets and gathered parameters, the activations) and the optimizer step (the states inside it and the
@@ -402,6 +418,12 @@ def plan_memory(
         fused_optimizer = fuses_adam(device_type, optimizer)
     check_hpz(hpz, devices, nodes)
     world = devices * nodes
+    if isinstance(sequence_parallel_size, bool) or not isinstance(sequence_parallel_size, int) \
+            or sequence_parallel_size < 1 or world % sequence_parallel_size:
+        raise PlanError(f"sequence_parallel_size={sequence_parallel_size!r} must be a positive integer dividing the"
+                         f" {world} ranks (devices x nodes)")
+    if activation_bytes is not None:
+        activation_bytes = sequence_parallel_activation_bytes(activation_bytes, sequence_parallel_size)
     psi = float(spec.params)
     frozen = spec.frozen_params / psi if psi else 0.0
     p = bytes_per_param(precision)
@@ -446,7 +468,7 @@ def plan_memory(
         row.update(params=spec.params, frozen_params=spec.frozen_params, world_size=world, devices=devices,
                    nodes=nodes, precision=precision, optimizer=optimizer, device_memory=dev_mem,
                    host_memory=host_mem, headroom=headroom, buckets=asdict(buckets), device_type=device_type,
-                   fused_optimizer=fused_optimizer, hpz=hpz)
+                   fused_optimizer=fused_optimizer, hpz=hpz, sequence_parallel_size=sequence_parallel_size)
     return rows
 
 
@@ -536,6 +558,11 @@ def assumed_line(row: Mapping[str, Any]) -> str:
     return f"device assumed: {row['device_type']}; {temps}"
 
 
+def _split(row: Mapping[str, Any]) -> str:
+    size = row.get("sequence_parallel_size", 1)
+    return f", 1/{size} per rank: sequence parallelism" if size > 1 else ""
+
+
 def format_table(rows: Sequence[dict[str, Any]], name: str = "") -> str:
     """The planner's rows (:func:`choose`) as the text table ``lightning-gaudi-ds plan`` and ``stage="auto"`` print."""
     fb = format_bytes
@@ -574,7 +601,7 @@ def format_table(rows: Sequence[dict[str, Any]], name: str = "") -> str:
     lines += ["", f"buckets (elements): reduce {b['reduce_bucket_size']:,}, allgather {b['allgather_bucket_size']:,},"
               f" ZeRO-3 prefetch {b['stage3_prefetch_bucket_size']:,}, persistence threshold"
               f" {b['stage3_param_persistence_threshold']:,}; overlap_comm {b['overlap_comm']}",
-              "activations: " + (f"{fb(act)} (measured, one micro batch) included" if act is not None
+              "activations: " + (f"{fb(act)} (measured, one micro batch{_split(r0)}) included" if act is not None
                                  else "not included (use --measure-activations)")]
     if multi_node:
         lines.append(f"sent/node/step: bytes each node sends to the others per optimizer step"
