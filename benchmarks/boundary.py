@@ -13,7 +13,7 @@ measured boundary is compared less the fixed cost the planner does not model (th
 gloo's and DeepSpeed's set-up): the boundary, searched the same way, of the same trial on a tiny model of the same
 kind.
 
-    python benchmarks/boundary.py                              # both models, ZeRO-0..3, 2 ranks (~10 min on 2 cores)
+    python benchmarks/boundary.py                              # both models, ZeRO-0..3, 2 ranks (~25 min on 2 cores)
     python benchmarks/boundary.py --models mlp --stages 0 3 --out /tmp/boundary
     python benchmarks/boundary.py --report-only                # table from the last results
 
