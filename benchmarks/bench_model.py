@@ -139,3 +139,54 @@ def deepspeed_config(
     if offload_parameters:
         zero["offload_param"] = {"device": "cpu", "pin_memory": False}
     return {"zero_optimization": zero, "zero_allow_untested_optimizer": True}
+
+
+# ------------------------------------------------------------------------ issue 43's models (boundary.py)
+class IssueMLP(L.LightningModule):
+    """Issue 43's 3-layer MLP, 64 -> ``width`` -> ``width`` -> 64 (4.5M parameters at width 2048), trained with torch's
+    AdamW on MSE; ``example_input_array`` is one micro batch (``plan --measure-activations`` runs it)."""
+
+    def __init__(self, width: int = 2048, batch_size: int = 4) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                                 nn.Linear(width, 64))
+        self.example_input_array = torch.randn(batch_size, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return loss_fn(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=LR)
+
+
+def issue_mlp_loader(batch_size: int, batches: int) -> DataLoader:
+    g = torch.Generator().manual_seed(SEED)
+    n = batch_size * batches
+    return make_loader(TensorDataset(torch.randn(n, 64, generator=g), torch.randn(n, 64, generator=g)), batch_size)
+
+
+class CausalLM(L.LightningModule):
+    """A Hugging Face causal LM built from ``config`` (random weights), trained on its own loss with torch's AdamW."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        import transformers
+
+        self.model = transformers.AutoModelForCausalLM.from_config(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=LR)
+
+
+def token_loader(vocab_size: int, seq_len: int, batch_size: int, batches: int) -> DataLoader:
+    g = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(0, vocab_size, (batch_size * batches, seq_len), generator=g)
+    return make_loader(TensorDataset(ids), batch_size)

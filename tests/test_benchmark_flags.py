@@ -37,6 +37,11 @@ COMMITTED = REPO / "benchmarks" / "results"
         ("sequence", ["--steps", "0"], "--steps"),
         ("sequence", ["--tolerance", "1"], "--tolerance"),
         ("sequence", ["--world", "two"], "--world"),
+        ("boundary", ["--world", "1"], "--world"),
+        ("boundary", ["--tolerance", "2"], "--tolerance"),
+        ("boundary", ["--mlp-width", "0"], "--mlp-width"),
+        ("boundary", ["--stages", "4"], "--stages"),
+        ("boundary", ["--models", "gpt3"], "--models"),
         ("planner", ["--hidden", "0"], "--hidden"),
         ("planner", ["--timeout", "-5"], "--timeout"),
         ("recipes", ["--steps", "0"], "--steps"),
@@ -74,6 +79,15 @@ def test_a_bad_flag_is_refused_before_any_work(script: str, argv: list[str], fla
     assert f"error: argument {flag}: " in err and ("is not allowed" in err or "not a" in err
                                                    or "does not exist" in err), err
     assert "Traceback" not in err and sorted(COMMITTED.rglob("*")) == before and not list(tmp_path.iterdir())
+
+
+def test_boundary_report_only_on_an_empty_folder_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import boundary
+
+    assert boundary.main(["--report-only", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"no results to report in {tmp_path} (no boundary.jsonl)" in err and "Run boundary.py first" in err
+    assert not list(tmp_path.iterdir())
 
 
 def test_capacity_report_only_on_an_empty_folder_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

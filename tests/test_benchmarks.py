@@ -160,3 +160,57 @@ def test_capacity_benchmark_runs_under_a_cap_and_writes_well_formed_rows(tmp_pat
     assert csv[0].startswith("world_size,config,largest_params") and len(csv) == 3
     md = (out / "capacity.md").read_text()
     assert "| 2 | ZeRO-3 |" in md and "Planner given the cap less the 1-layer peak within 10%" in md
+
+
+# ------------------------------------------------------------------------------------------ boundary (issue 43)
+def test_boundary_search_brackets_the_smallest_cap_from_either_side() -> None:
+    from boundary import CapSearch
+
+    for guess, boundary in ((300, 170), (100, 170), (170, 170)):
+        search = CapSearch(guess, floor=50, tolerance=0.02)
+        while (cap := search.next()) is not None:
+            search.record(cap, cap >= boundary)
+        assert search.fails < boundary <= search.trains, (guess, search)
+        assert search.trains - search.fails <= 0.02 * (search.trains - 50)
+    never = CapSearch(100, floor=50, tolerance=0.02)
+    while (cap := never.next()) is not None:
+        never.record(cap, False)
+    assert never.trains is None and never.fails <= 8 * 100  # gives up at 8x the guess: no boundary reported
+
+
+def test_boundary_refuses_to_measure_without_a_cgroup(monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import boundary
+
+    monkeypatch.setattr(boundary, "check_cgroups", lambda: "no memory cgroup controller: test")
+    assert boundary.main(["--out", str(tmp_path)]) == boundary.EXIT_NO_CGROUP
+    assert "Not measuring" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+@pytest.mark.multiprocess
+def test_boundary_benchmark_finds_where_a_stage_starts_to_fit_under_a_cap(tmp_path: Path) -> None:
+    """benchmarks/boundary.py on issue 43's MLP at width 1024, ZeRO-0 and ZeRO-3, 2 ranks in memory cgroups: each search
+    ends on a cap that trains just above one that is OOM-killed, above the tiny model's boundary, and the planner's
+    rows are those `plan --json` prints for the model."""
+    import boundary
+
+    why = boundary.check_cgroups()
+    if why:
+        pytest.skip(f"no memory cgroup can be made here ({why}): the boundary benchmark refuses to run uncapped")
+    out = tmp_path / "boundary"
+    job = run_job([sys.executable, str(REPO / "benchmarks" / "boundary.py"), "--models", "mlp", "--stages", "0", "3",
+                   "--mlp-width", "1024", "--steps", "2", "--tolerance", "0.2", "--out", str(out)], timeout=900)
+    assert job.returncode == 0, job.output[-3000:]
+    lines = [json.loads(x) for x in (out / "boundary.jsonl").read_text().splitlines()]
+    rows = {r["stage"]: r for r in lines if r["type"] == "boundary"}
+    assert set(rows) == {0, 3}
+    plan = json.loads((out / "raw" / "plan-mlp.json").read_text())
+    for stage, row in rows.items():
+        assert row["planned_bytes"] == next(r["device_bytes"] for r in plan if r["stage"] == stage
+                                            and not r["offload_optimizer"])
+        assert 0 < row["fixed_bytes"] < row["failing_bytes"] < row["measured_bytes"], row
+        outcomes = {o for t in row["trials"] for o in t["outcomes"]}
+        assert "oom" in outcomes and "ok" in outcomes, row["trials"]  # the cap binds
+        assert all(t["peak_bytes"] <= t["cap"] for t in row["trials"])
+        assert row["bytes_error"] == row["planned_bytes"] / (row["measured_bytes"] - row["fixed_bytes"]) - 1
+    assert "| mlp | ZeRO-3 |" in (out / "boundary.md").read_text()

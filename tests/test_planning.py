@@ -153,8 +153,28 @@ def test_buckets_from_hidden_size_and_overrides():
 def test_zero3_transient_includes_persistent_and_gathered_parameters():
     spec = ModelSpec(params=10_000 + 5 * 1_000_000, param_numels=(1_000,) * 10 + (1_000_000,) * 5)
     b = Buckets(stage3_prefetch_bucket_size=2_000_000, stage3_param_persistence_threshold=5_000)
-    (row,) = plan_memory(spec, devices=4, buckets=b, configurations=[(3, False, False)])
-    assert row["transient_bytes"] == (2_000_000 + 1_000_000 + 10_000) * 2
+    for device in ("cuda", "hpu"):
+        (row,) = plan_memory(spec, devices=4, buckets=b, configurations=[(3, False, False)], device_type=device)
+        assert row["transient_bytes"] == (2_000_000 + 1_000_000 + 10_000) * 2
+
+
+@pytest.mark.parametrize(("reduce_bucket", "reduced"), [(3_000_000, 3_000_000), (500_000, 1_000_000),
+                                                        (10**8, 5_010_000)])
+def test_zero3_on_gloo_counts_the_copy_of_the_bucket_being_reduced(reduce_bucket, reduced):
+    """gloo has no reduce-scatter and copies what ZeRO-3 reduces: one bucket (a parameter larger than the bucket is
+    reduced alone; never more than the model); NCCL and HCCL reduce in place. Issue 43's MLP on 2 CPU ranks: without
+    it the planner's ZeRO-3 bytes were 19% under the measured boundary (benchmarks/results/boundary)."""
+    spec = ModelSpec(params=10_000 + 5 * 1_000_000, param_numels=(1_000,) * 10 + (1_000_000,) * 5)
+    b = Buckets(reduce_bucket_size=reduce_bucket, stage3_prefetch_bucket_size=2_000_000,
+                stage3_param_persistence_threshold=5_000)
+    configurations = [(3, False, False), (3, True, True), (2, False, False)]
+    rows = {d: plan_memory(spec, devices=4, buckets=b, configurations=configurations, device_type=d)
+            for d in ("cpu", "cuda")}
+    for z3_cpu, z3_cuda in zip(rows["cpu"][:2], rows["cuda"][:2], strict=True):
+        assert z3_cpu["transient_bytes"] - z3_cuda["transient_bytes"] == reduced * 2  # bf16 gradients
+    assert rows["cpu"][2]["transient_bytes"] == rows["cuda"][2]["transient_bytes"]  # ZeRO-1/2: as before
+    (one,) = plan_memory(spec, devices=1, buckets=b, configurations=[(3, False, False)], device_type="cpu")
+    assert one["transient_bytes"] == (2_000_000 + 1_000_000) * 2  # one rank reduces nothing
 
 
 def test_rows_cover_every_stage_and_offload_fastest_first():
@@ -523,22 +543,25 @@ def test_auto_stage_counts_a_configure_model_module_on_meta():
 
 @pytest.mark.multiprocess
 def test_auto_stage_picks_zero3_when_only_it_fits(tmp_path):
-    """2 ranks, bf16-mixed, AdamW, the layers built in configure_model; 2 MB per device: ZeRO-0/1/2/3 (3.9-5.6 MB)
-    and ZeRO-1/2 with the optimizer offloaded (3.2, 2.1 MB) do not fit, ZeRO-3 with the optimizer offloaded
-    (1.4 MB) does. Activations of one micro batch are measured on rank 0."""
+    """2 ranks, bf16-mixed, AdamW, 8 hidden 512 x 512 layers built in configure_model; 6 MB per device (5.15 MiB
+    usable): ZeRO-0/1/2/3 (20-40 MiB) and ZeRO-1/2 with the optimizer offloaded (5.7 MiB: the whole bf16 model on
+    every rank) do not fit, ZeRO-3 with the optimizer offloaded (4.7 MiB) does. Activations of one micro batch are
+    measured on rank 0."""
     import sys
 
     from tests.procs import JOBS, run_job
 
     job = run_job([sys.executable, str(JOBS / "train_job.py"), "--out", str(tmp_path), "--stage", "auto",
-                   "--device-memory", "2MB", "--measure-activations", "--build-in-configure-model", "--precision",
-                   "bf16-mixed", "--optimizer", "adamw", "--max-steps", "4", "--no-eval"], timeout=400, ranks=2).check()
-    assert "stage='auto' chose ZeRO-3 + offload optimizer" in job.output  # logged once, with the table
+                   "--device-memory", "6MB", "--measure-activations", "--build-in-configure-model", "--hidden-layers",
+                   "8", "--precision", "bf16-mixed", "--optimizer", "adamw", "--max-steps", "4", "--no-eval"],
+                  timeout=400, ranks=2).check()
+    assert "stage='auto' chose ZeRO-3 + offload optimizer (the fastest" in job.output  # logged once, with the table
     assert job.output.count("fastest that fits") == 1 and "(measured, one micro batch) included" in job.output
     ranks = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
     assert len(ranks) == 2
     for rank in ranks:
-        assert rank["chosen_configuration"]["stage"] == 3 and rank["chosen_configuration"]["offload_optimizer"]
+        chosen = rank["chosen_configuration"]
+        assert chosen["stage"] == 3 and chosen["offload_optimizer"] and not chosen["offload_parameters"]
         assert rank["zero_stage"] == 3 and rank["config"]["zero_optimization"]["stage"] == 3
         assert rank["config"]["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
         assert rank["basic_optimizer"] == "DeepSpeedCPUAdam"
@@ -639,9 +662,10 @@ def _auto_choice(strategy, module: nn.Module) -> str:
 
 
 def _sweep(rows: list[dict]) -> list[int]:
-    """Memories from ZeRO-3's boundary to DDP's: a byte either side of every row's boundary there, and 21 steps."""
+    """Memories from the lowest boundary (everything offloaded; below ZeRO-3's, which at 2 ranks lies above ZeRO-1/2's)
+    to DDP's: a byte either side of every row's boundary, and 21 steps."""
     limit = 1 - rows[0]["headroom"]
-    low = rows[[(r["stage"], r["offload_optimizer"]) for r in rows].index((3, False))]["device_bytes"] / limit
+    low = min(r["device_bytes"] for r in rows) / limit
     high = rows[0]["device_bytes"] / limit
     edges = [r["device_bytes"] / limit for r in rows if low <= r["device_bytes"] / limit <= high]
     points = {int(low + (high - low) * i / 20) for i in range(21)}
@@ -673,7 +697,9 @@ def test_plan_and_stage_auto_pick_the_same_configuration_at_every_memory(model, 
         planned = next((r["label"] for r in _plan_cli(capsys, source, memory) if r["fits"]), "nothing")
         picks.append((memory, planned, _auto_choice(_auto_strategy(memory), module)))
     assert [p for p in picks if p[1] != p[2]] == []
-    assert {p[1] for p in picks} >= {"ZeRO-1", "ZeRO-0"}  # the sweep crosses DDP's boundary
+    # the sweep crosses every boundary from the smallest (an offload row; ZeRO-3's lies above ZeRO-1's) to DDP's
+    planned = [p[1] for p in picks]
+    assert {"ZeRO-1", "ZeRO-0"} <= set(planned) and any("offload" in label for label in planned), planned
     # the same rows, byte for byte: the same inputs
     from lightning_gaudi_ds.planning.inputs import plan_rows
 

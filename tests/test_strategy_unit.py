@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import subprocess
@@ -242,3 +243,30 @@ def test_the_exit_walk_reads_no_deprecated_torch_object() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         shutdown._drop_deepspeed_group_references()
+
+
+def test_torchs_deprecated_collectives_deepspeed_calls_are_silenced_inside_engine_calls_only() -> None:
+    """DeepSpeed's ZeRO-3 reduces gradients with torch's deprecated `reduce_scatter_tensor` and gathers with
+    `all_gather_into_tensor`: inside the strategy's engine calls neither warns (each call used to print it again); the
+    user's own calls still do."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from lightning_gaudi_ds.engine.step import third_party_deprecations_silenced
+
+    def call_both(show_all: bool) -> list[str]:
+        with warnings.catch_warnings(record=True) as seen:
+            if show_all:
+                warnings.simplefilter("always")
+            for collective in (dist.reduce_scatter_tensor, dist.all_gather_into_tensor):
+                with contextlib.suppress(Exception):  # no process group here: torch warns before it looks for one
+                    collective(torch.zeros(2), torch.zeros(2))
+        return [str(w.message) for w in seen if issubclass(w.category, FutureWarning)]
+
+    outside = call_both(show_all=True)
+    assert any("reduce_scatter_tensor` is deprecated" in m for m in outside), outside
+    assert any("all_gather_into_tensor` is deprecated" in m for m in outside), outside
+    with third_party_deprecations_silenced():
+        assert [m for m in call_both(show_all=False) if "is deprecated" in m] == []

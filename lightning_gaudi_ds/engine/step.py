@@ -20,10 +20,16 @@ _R = TypeVar("_R")
 @contextlib.contextmanager
 def third_party_deprecations_silenced() -> Iterator[None]:
     """Inside the strategy's own calls only: DeepSpeed's ZeRO collectives call torch's deprecated
-    ``all_gather_into_tensor`` (a FutureWarning per rank on every run), which the user can do nothing about."""
+    ``all_gather_into_tensor`` and (ZeRO-3's gradients) ``reduce_scatter_tensor``: a FutureWarning per rank, and
+    again after every call (leaving ``catch_warnings`` resets which warnings were shown), that the user can do nothing
+    about."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=_TORCH_DEPRECATED_COLLECTIVES, category=FutureWarning)
         yield
+
+
+# torch 2.13's deprecated names of the collectives DeepSpeed 0.16-0.19 calls
+_TORCH_DEPRECATED_COLLECTIVES = r".*(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
 
 
 @contextlib.contextmanager

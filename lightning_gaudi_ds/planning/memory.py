@@ -179,7 +179,7 @@ class PlanRow:
     model_state_bytes: int  # per rank, device + host, at the optimizer step's peak (what benchmarks/meter.py counts)
     device_model_state_bytes: int
     host_bytes_per_rank: int
-    transient_bytes: int  # reduce buckets, ZeRO-3 gathered / persistent parameters
+    transient_bytes: int  # reduce buckets, ZeRO-3 gathered / persistent parameters and (gloo) its reduce copy
     activation_bytes: int | None
     step_temporary_bytes: int  # the torch optimizer's own temporaries during its update
     backward_peak_bytes: int  # device: states at the step's entry + transient + activations
@@ -425,6 +425,7 @@ def plan_memory(
     if activation_bytes is not None:
         activation_bytes = sequence_parallel_activation_bytes(activation_bytes, sequence_parallel_size)
     psi = float(spec.params)
+    staged = _stages_reduce_input(device_type)
     frozen = spec.frozen_params / psi if psi else 0.0
     p = bytes_per_param(precision)
     rows = []
@@ -435,7 +436,7 @@ def plan_memory(
             (host if off_par else dev).params += p * (1 + frozen) / devices
         dev_parts = {k: int(round(v * psi)) for k, v in asdict(dev).items()}
         host_parts = {k: int(round(v * psi)) for k, v in asdict(host).items()}
-        transient = _transient_bytes(stage, off_opt, spec, buckets, p, world)
+        transient = _transient_bytes(stage, off_opt, spec, buckets, p, world, staged)
         if off_opt and stage in (1, 2):  # staging buffers of the largest parameter, one each side
             dev_parts["buffers"] += int(spec.largest_param * p)
             host_parts["buffers"] += int(spec.largest_param * p)
@@ -472,8 +473,10 @@ def plan_memory(
     return rows
 
 
-def _transient_bytes(stage: int, offload_optimizer: bool, spec: ModelSpec, b: Buckets, p: float, world: int) -> int:
-    """Device bytes that exist during backward only: reduce buckets; for ZeRO-3 the gathered parameters."""
+def _transient_bytes(stage: int, offload_optimizer: bool, spec: ModelSpec, b: Buckets, p: float, world: int,
+                     staged: bool = False) -> int:
+    """Device bytes that exist during backward only: reduce buckets; for ZeRO-3 the gathered parameters, and with
+    ``staged`` (gloo) the copy its collectives make of the gradients being reduced."""
     if stage == 0:
         return 0
     if stage in (1, 2):
@@ -482,7 +485,19 @@ def _transient_bytes(stage: int, offload_optimizer: bool, spec: ModelSpec, b: Bu
     persistent = spec.persistent_params(b.stage3_param_persistence_threshold) if world > 1 else 0
     gathered = min(b.stage3_max_live_parameters, b.stage3_prefetch_bucket_size + spec.largest_param)
     gathered = min(gathered, spec.total_params)
-    return int((gathered + persistent) * p)
+    # ZeRO-3 reduces one bucket at a time (a parameter larger than the bucket alone); gloo has no reduce-scatter (nor
+    # an in-place bf16 all-reduce) and works on a copy of it: measured on 2 CPU ranks, the peak grows by the bucket's
+    # bytes during each reduction (benchmarks/boundary.py)
+    reduced = min(max(b.reduce_bucket_size, spec.largest_param), spec.total_params) if staged and world > 1 else 0
+    return int((gathered + persistent + reduced) * p)
+
+
+def _stages_reduce_input(device_type: str) -> bool:
+    """Whether the device's process-group backend copies what it reduces (gloo: CPU)."""
+    from lightning_gaudi_ds.devices import DEVICES
+
+    spec = DEVICES.get(device_type)
+    return spec is not None and spec.backend == "gloo"
 
 
 def fastest_fitting(rows: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:

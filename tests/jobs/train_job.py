@@ -59,19 +59,19 @@ class Fault(L.Callback):
 
 class LateRegressionModel(RegressionModel):
     """The same model with its layers created in ``configure_model`` (under ZeRO-3 inside ``zero.Init``), and one
-    micro batch as ``example_input_array``."""
+    micro batch as ``example_input_array``; ``hidden_layers`` width x width layers between input and output."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, hidden_layers: int = 1, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.hidden_layers = hidden_layers
         self.net = None  # type: ignore[assignment]
         self.example_input_array = torch.randn(16, INPUTS)
 
     def configure_model(self) -> None:
         if self.net is None:
             width = self.hparams.width
-            self.net = nn.Sequential(
-                nn.Linear(INPUTS, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, OUTPUTS)
-            )
+            hidden = [m for _ in range(self.hidden_layers) for m in (nn.Linear(width, width), nn.Tanh())]
+            self.net = nn.Sequential(nn.Linear(INPUTS, width), nn.Tanh(), *hidden, nn.Linear(width, OUTPUTS))
 
 
 def _print_exit_threads() -> None:
@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--width", type=int, default=512, help="the model's hidden width")
+    parser.add_argument("--hidden-layers", type=int, default=1,
+                        help="with --build-in-configure-model: width x width layers (default 1, as RegressionModel)")
     parser.add_argument("--optimizer", default="sgd", help="sgd | adamw | none | adam_sched | adamw_exp")
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--betas", type=float, nargs=2, default=None)
@@ -137,9 +139,10 @@ def main(argv: list[str] | None = None) -> None:
         strategy = DDPStrategy(process_group_backend="gloo")
     else:
         strategy = args.strategy
+    late = {"hidden_layers": args.hidden_layers} if args.build_in_configure_model else {}
     model = (LateRegressionModel if args.build_in_configure_model else RegressionModel)(
         width=args.width, optimizer=args.optimizer, lr=args.lr, betas=tuple(args.betas) if args.betas else None,
-        eps=args.eps, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
+        eps=args.eps, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, **late,
     )
     data = RegressionData(args.batch_size)
     probe = EngineProbe()
