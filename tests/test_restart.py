@@ -331,6 +331,12 @@ def spawn_job(out: Path, spawn_args: tuple[str, ...] = (), job_args: tuple[str, 
                     *job_args], timeout=timeout)
 
 
+def reference_job(out: Path, job_args: tuple[str, ...] = (), timeout: float = 600):
+    """The uninterrupted run a restart is compared with: no launcher under test, so its 2 ranks start warm."""
+    return run_job([sys.executable, str(JOBS / "restart_job.py"), "--out", str(out), "--steps", str(STEPS),
+                    *job_args], timeout=timeout, ranks=2)
+
+
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory: pytest.TempPathFactory):
     """Attempt 0: rank 1 SIGKILLs itself at step 5 (last save: step 4). Attempt 1: SIGTERM reaches the ranks at
@@ -360,7 +366,7 @@ def test_restarts_resume_exactly(interrupted, tmp_path: Path) -> None:
     assert json.loads((out / "attempt2-rank1.json").read_text())["steps"] == [7, 8, 9]
 
     reference = tmp_path / "reference"
-    spawn_job(reference).check()
+    reference_job(reference).check()
     expected, got = torch.load(reference / "weights.pt"), torch.load(out / "weights.pt")
     assert expected.keys() == got.keys()
     for name in expected:
