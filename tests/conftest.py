@@ -104,11 +104,11 @@ def _shared_fixtures(item: pytest.Item) -> list[str]:
         if not fixture.baseid or fixture.scope == "function":  # pytest's and plugins' own (tmp_path_factory ...)
             continue
         if fixture.scope == "module":
-            keys.append(f"module {item.nodeid.split('::', 1)[0]}")
+            keys.append(f"module {item.nodeid.split('::', 1)[0]}/{name}")
         elif fixture.scope == "class":
-            keys.append(f"class {item.nodeid.rsplit('::', 1)[0]}")
+            keys.append(f"class {item.nodeid.rsplit('::', 1)[0]}/{name}")
         else:  # package, session
-            keys.append(f"{fixture.scope} {fixture.baseid or '.'}/{name}")
+            keys.append(f"{fixture.scope} {fixture.baseid}/{name}")
     return keys
 
 
@@ -137,7 +137,11 @@ def _group_shared_fixtures(items: list[pytest.Item]) -> None:
              .replace("@", "-").replace("]", ")") for root, found in members.items()}  # xdist splits at "@"
     for item in items:
         if keys[item.nodeid]:
-            item.add_marker(pytest.mark.xdist_group(names[find(keys[item.nodeid][0])]))
+            name = names[find(keys[item.nodeid][0])]
+            item.add_marker(pytest.mark.xdist_group(name))
+            if hasattr(item, "_id"):  # pytest >= 9: nodeid is str(_id); pytest-xdist 3.8 appends "@group" to _nodeid,
+                # which pytest no longer reads, and --dist loadgroup would silently spread a group over the workers
+                item._id = type(item._id).parse(f"{item.nodeid}@{name}")
 
 
 def _run_order(item: pytest.Item) -> int:
