@@ -99,7 +99,7 @@ def _shared_fixtures(item: pytest.Item) -> list[str]:
     """The suite's own fixtures wider than one test that ``item`` uses, as one key per instance: a module-scoped
     fixture is made once per module, a session-scoped one once per session (per xdist worker)."""
     keys = []
-    for name, defs in getattr(item, "_fixtureinfo").name2fixturedefs.items():
+    for name, defs in item._fixtureinfo.name2fixturedefs.items():  # type: ignore[attr-defined]
         fixture = defs[-1]  # the one this item gets (a closer definition overrides)
         if not fixture.baseid or fixture.scope == "function":  # pytest's and plugins' own (tmp_path_factory ...)
             continue
