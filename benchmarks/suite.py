@@ -44,9 +44,11 @@ def tabulate(folder: Path, title: str, top: int = 30) -> str:
     if not tests:
         raise SystemExit(f"suite.py: no {folder / 'tests.jsonl'}: run the suite with LGDS_SUITE_TIMES={folder} first")
     per_test: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    cpu: dict[str, float] = defaultdict(float)  # the test's CPU seconds, its jobs' included (tear-down rows)
     outcome: dict[str, str] = {}
     for row in tests:
         per_test[row["test"]][row["phase"]] += row["seconds"]
+        cpu[row["test"]] += row.get("cpu", 0.0)
         if row["phase"] == "call" or row["outcome"] != "passed":
             outcome[row["test"]] = row["outcome"]
     per_job: dict[str, list[dict]] = defaultdict(list)
@@ -65,7 +67,8 @@ def tabulate(folder: Path, title: str, top: int = 30) -> str:
         f"## {title}",
         "",
         f"- {len(per_test)} tests, {total:.0f} s of test time (set-up, call and tear-down of each test; module",
-        "  fixtures count in the set-up of the test that first uses them).",
+        "  fixtures count in the set-up of the test that first uses them), "
+        f"{sum(cpu.values()):.0f} CPU s (the tests' and their jobs').",
         f"- {n_jobs} jobs started ({sum(j['warm'] for j in jobs)} warm), {job_s:.0f} s of job wall time;",
         f"  {len(timed)} of them mark their first step: {start_s:.0f} s of start-up out of their "
         f"{sum(j['seconds'] for j in timed):.0f} s.",
@@ -73,8 +76,8 @@ def tabulate(folder: Path, title: str, top: int = 30) -> str:
         "",
         "### By file",
         "",
-        "| file | tests | seconds | jobs | job s | start-up s |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| file | tests | seconds | CPU s | jobs | job s | start-up s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     files: dict[str, list[str]] = defaultdict(list)
     for t in per_test:
@@ -82,8 +85,8 @@ def tabulate(folder: Path, title: str, top: int = 30) -> str:
     for f, ts in sorted(files.items(), key=lambda kv: -sum(wall(t) for t in kv[1])):
         fj = [j for t in ts for j in per_job.get(t, [])]
         su = sum(j["startup"] for j in fj if j["startup"] is not None)
-        lines.append(f"| {f} | {len(ts)} | {sum(wall(t) for t in ts):.1f} | {len(fj)} | "
-                     f"{sum(j['seconds'] for j in fj):.1f} | {su:.1f} |")
+        lines.append(f"| {f} | {len(ts)} | {sum(wall(t) for t in ts):.1f} | {sum(cpu[t] for t in ts):.1f} | "
+                     f"{len(fj)} | {sum(j['seconds'] for j in fj):.1f} | {su:.1f} |")
     lines += ["", f"### The {top} slowest tests", "",
               "| test | set-up s | call s | jobs | start-up s (first job) |", "|---|---:|---:|---:|---:|"]
     for t in sorted(per_test, key=wall, reverse=True)[:top]:
@@ -94,15 +97,16 @@ def tabulate(folder: Path, title: str, top: int = 30) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _by_file(folder: Path) -> dict[str, tuple[int, float]]:
-    """Per test file: how many tests ran, and their seconds."""
-    per_test: dict[str, float] = defaultdict(float)
+def _by_file(folder: Path) -> dict[str, tuple[int, float, float]]:
+    """Per test file: how many tests ran, their seconds, and their CPU seconds (0 where the run recorded none)."""
+    per_test: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for row in _read(folder / "tests.jsonl"):
-        per_test[row["test"]] += row["seconds"]
-    out: dict[str, tuple[int, float]] = {}
-    for test, seconds in per_test.items():
-        n, total = out.get(_file(test), (0, 0.0))
-        out[_file(test)] = (n + 1, total + seconds)
+        per_test[row["test"]][0] += row["seconds"]
+        per_test[row["test"]][1] += row.get("cpu", 0.0)
+    out: dict[str, tuple[int, float, float]] = {}
+    for test, (seconds, cpu) in per_test.items():
+        n, total, total_cpu = out.get(_file(test), (0, 0.0, 0.0))
+        out[_file(test)] = (n + 1, total + seconds, total_cpu + cpu)
     return out
 
 
@@ -111,15 +115,15 @@ def compare(before: Path, after: Path, title: str) -> str:
     old, new = _by_file(before), _by_file(after)
     if not old or not new:
         raise SystemExit(f"suite.py: {before if not old else after} holds no tests.jsonl of a timed run")
-    lines = [f"## {title}", "", "| file | tests before | tests after | s before | s after | after / before |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for f in sorted(old.keys() | new.keys(), key=lambda k: -old.get(k, (0, 0.0))[1]):
-        (n0, s0), (n1, s1) = old.get(f, (0, 0.0)), new.get(f, (0, 0.0))
+    lines = [f"## {title}", "", "| file | tests before | tests after | s before | s after | after / before | "
+             "CPU s before | CPU s after |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for f in sorted(old.keys() | new.keys(), key=lambda k: -old.get(k, (0, 0.0, 0.0))[1]):
+        (n0, s0, c0), (n1, s1, c1) = old.get(f, (0, 0.0, 0.0)), new.get(f, (0, 0.0, 0.0))
         ratio = f"{s1 / s0:.2f}" if s0 > 0 and n1 else "—"
-        lines.append(f"| {f} | {n0} | {n1} | {s0:.1f} | {s1:.1f} | {ratio} |")
-    n0, s0 = sum(v[0] for v in old.values()), sum(v[1] for v in old.values())
-    n1, s1 = sum(v[0] for v in new.values()), sum(v[1] for v in new.values())
-    lines.append(f"| **all** | {n0} | {n1} | {s0:.1f} | {s1:.1f} | {s1 / s0:.2f} |")
+        lines.append(f"| {f} | {n0} | {n1} | {s0:.1f} | {s1:.1f} | {ratio} | {c0:.1f} | {c1:.1f} |")
+    n0, s0, c0 = (sum(v[i] for v in old.values()) for i in range(3))
+    n1, s1, c1 = (sum(v[i] for v in new.values()) for i in range(3))
+    lines.append(f"| **all** | {n0:.0f} | {n1:.0f} | {s0:.1f} | {s1:.1f} | {s1 / s0:.2f} | {c0:.1f} | {c1:.1f} |")
     return "\n".join(lines) + "\n"
 
 

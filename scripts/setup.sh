@@ -2,9 +2,17 @@
 # Idempotent set-up on a fresh machine: a virtual environment in .venv with the CPU build of torch,
 # the package with its test extra, and what the tests need from Debian. Sourced by train.sh and test.sh.
 # LIGHTNING_GAUDI_DS_DEEPSPEED=0.16.1 sets up .venv-deepspeed-0.16.1 with that DeepSpeed instead (test.sh --deepspeed).
+# A script that sourced it has LGDS_SET_UP naming the environment made: a later test.sh or docs.sh in that script (or
+# its children) only activates it (.ci/run sets up once, then runs steps side by side without two pips at once).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
+if [ -n "${LGDS_SET_UP:-}" ] && [ "$LGDS_SET_UP" = "$(pwd)/.venv${LIGHTNING_GAUDI_DS_DEEPSPEED:+-deepspeed-$LIGHTNING_GAUDI_DS_DEEPSPEED}" ] \
+   && [ -x "$LGDS_SET_UP/bin/python" ]; then
+  # shellcheck disable=SC1091
+  . "$LGDS_SET_UP/bin/activate"
+  return 0 2>/dev/null || exit 0
+fi
 # Open MPI for `lightning-gaudi-ds spawn --use_mpi` and its tests (mpi4py comes with the test extra below).
 if ! command -v mpirun >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1; then
@@ -93,4 +101,5 @@ OPS=(deepspeed_shm_comm cpu_adam)
 if [ "${LIGHTNING_GAUDI_DS_SKIP_OP_BUILD:-0}" != "1" ]; then
   python -m lightning_gaudi_ds env --build-ops "${OPS[@]}" \
     || echo "setup.sh: DeepSpeed ops not built (see above): training falls back to torch.distributed collectives; ZeRO-Offload needs cpu_adam" >&2
+  export LGDS_SET_UP="$(pwd)/$VENV"  # set up in full (the ops too): see the top
 fi

@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the tests: bash scripts/test.sh [--lint] [pytest args]
-#   bash scripts/test.sh                          the whole suite
-#   bash scripts/test.sh -m "not multiprocess"    the unit tier: about a minute, starts no process
+#   bash scripts/test.sh                          the whole suite, on LGDS_TEST_WORKERS (default 2) pytest-xdist
+#                                                 workers: much of a process test waits (grace periods, time-outs,
+#                                                 SLURM's scheduler) rather than computes; tests sharing a module- or
+#                                                 session-scoped fixture run on one worker (tests/conftest.py)
+#   bash scripts/test.sh -m "not multiprocess"    the unit tier, in this process: starts no process
+#   bash scripts/test.sh tests/test_restart.py    any pytest arguments are passed on, run in one process;
+#                                                 add -n 2 to spread them over workers too
 #   --lint first checks the package with ruff and mypy (the dev extra; .ci/run does this)
 #   bash scripts/test.sh --deepspeed 0.16.1       the DeepSpeed 0.16.1 tier (Habana's fork's base) in its own venv:
 #                                                 the unit tier and the process tests marked fork_tier
@@ -20,4 +25,9 @@ if [ "${1:-}" = "--lint" ]; then
   ruff check lightning_gaudi_ds
   mypy  # files and strictness: [tool.mypy] in pyproject.toml
 fi
-python -m pytest -q --durations=15 "${tier[@]}" "$@"
+workers=()
+if [ $# -eq 0 ] && [ "${LGDS_TEST_WORKERS:-2}" != "0" ]; then
+  # --dist loadgroup keeps each xdist_group on one worker; without reordering, the longest work goes first
+  workers=(-n "${LGDS_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder)
+fi
+python -m pytest -q --durations=15 "${workers[@]}" "${tier[@]}" "$@"

@@ -83,6 +83,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="also run the soak loops (marker slow: many jobs in a row, ten minutes or more; not in CI)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     soak = config.getoption("--soak")
     for item in items:
@@ -90,17 +91,101 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.fork_tier)
         if "slow" in item.keywords and not soak:
             item.add_marker(pytest.mark.skip(reason="a soak loop: run with --soak"))
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker (tests are collected there)
+        _group_shared_fixtures(items)
+        items.sort(key=_run_order)  # stable: collection order within each class
+
+
+def _shared_fixtures(item: pytest.Item) -> list[str]:
+    """The suite's own fixtures wider than one test that ``item`` uses, as one key per instance: a module-scoped
+    fixture is made once per module, a session-scoped one once per session (per xdist worker)."""
+    keys = []
+    for name, defs in item._fixtureinfo.name2fixturedefs.items():  # type: ignore[attr-defined]
+        fixture = defs[-1]  # the one this item gets (a closer definition overrides)
+        if not fixture.baseid or fixture.scope == "function":  # pytest's and plugins' own (tmp_path_factory ...)
+            continue
+        if fixture.scope == "module":
+            keys.append(f"module {item.nodeid.split('::', 1)[0]}/{name}")
+        elif fixture.scope == "class":
+            keys.append(f"class {item.nodeid.rsplit('::', 1)[0]}/{name}")
+        else:  # package, session
+            keys.append(f"{fixture.scope} {fixture.baseid}/{name}")
+    return keys
+
+
+def _group_shared_fixtures(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, every test that shares an instance of a module- or session-scoped fixture with another
+    (a job several tests check, the multi-node hosts, the SLURM cluster, a built op) gets one ``xdist_group``:
+    ``--dist loadgroup`` runs each group on one worker, so no fixture is made twice and no two workers touch one
+    instance. Groups are transitive: a test using two shared fixtures joins their groups."""
+    parent: dict[str, str] = {}
+
+    def find(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            parent[key] = parent[parent[key]]
+            key = parent[key]
+        return key
+
+    keys = {item.nodeid: _shared_fixtures(item) for item in items}
+    for found in keys.values():
+        for other in found:
+            parent[find(other)] = find(found[0])
+    members: dict[str, list[str]] = {}
+    for key in parent:
+        members.setdefault(find(key), []).append(key)
+    widest = {"session": 0, "package": 1, "module": 2, "class": 3}
+    names = {root: min(found, key=lambda k: (widest[k.split(" ", 1)[0]], k)).split(" ", 1)[1]
+             .replace("@", "-").replace("]", ")") for root, found in members.items()}  # xdist splits at "@"
+    for item in items:
+        if keys[item.nodeid]:
+            name = names[find(keys[item.nodeid][0])]
+            item.add_marker(pytest.mark.xdist_group(name))
+            if hasattr(item, "_id"):  # pytest >= 9: nodeid is str(_id); pytest-xdist 3.8 appends "@group" to _nodeid,
+                # which pytest no longer reads, and --dist loadgroup would silently spread a group over the workers
+                item._id = type(item._id).parse(f"{item.nodeid}@{name}")
+
+
+def _run_order(item: pytest.Item) -> int:
+    """Under pytest-xdist, the longest work first (a worker that takes the multi-node hosts at the end would run them
+    alone): the multi-node tier, then the other process tests, then the unit tier, which fills the workers' ends."""
+    if "multinode" in item.keywords:
+        return 0
+    return 1 if "multiprocess" in item.keywords else 2
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process, of the children it has reaped (cold jobs), and of the warm jobs that ended."""
+    import resource
+
+    from tests import procs
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + procs.WARM_CPU[0]
+
+
+_CPU_AT_START: dict[str, float] = {}
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
+    if os.environ.get("LGDS_SUITE_TIMES"):
+        _CPU_AT_START[nodeid] = _cpu_seconds()
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """With ``LGDS_SUITE_TIMES=<folder>``, each test phase's duration goes to ``<folder>/tests.jsonl``: with the job
-    times from tests/procs.py, what benchmarks/suite.py tabulates."""
+    """With ``LGDS_SUITE_TIMES=<folder>``, each test phase's duration goes to ``<folder>/tests.jsonl`` (the tear-down
+    row also holds the test's CPU seconds, its jobs' included): with the job times from tests/procs.py, what
+    benchmarks/suite.py tabulates."""
     folder = os.environ.get("LGDS_SUITE_TIMES")
-    if not folder:
+    if not folder or getattr(report, "node", None) is not None:  # under xdist: a worker's report, written there
         return
     import json
 
+    from tests.procs import plain_node_id
+
+    row = {"test": plain_node_id(report.nodeid), "phase": report.when, "seconds": round(report.duration, 3),
+           "outcome": report.outcome, "venv": os.path.basename(sys.prefix)}
+    if report.when == "teardown" and report.nodeid in _CPU_AT_START:
+        row["cpu"] = round(_cpu_seconds() - _CPU_AT_START.pop(report.nodeid), 3)
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "tests.jsonl"), "a") as f:
-        f.write(json.dumps({"test": report.nodeid, "phase": report.when, "seconds": round(report.duration, 3),
-                            "outcome": report.outcome, "venv": os.path.basename(sys.prefix)}) + "\n")
+        f.write(json.dumps(row) + "\n")

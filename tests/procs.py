@@ -36,7 +36,8 @@ class JobResult:
         return self
 
 
-def job_env(extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+def job_env(extra: Optional[Mapping[str, Optional[str]]] = None) -> dict[str, str]:
+    """The environment of a job: this one, less what a launcher sets per rank, plus ``extra`` (``None``: unset)."""
     env = dict(os.environ)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE",
                 "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED", "PL_DEEPSPEED_CONFIG_PATH"):
@@ -50,25 +51,33 @@ def job_env(extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
         OMPI_MCA_ess_singleton_isolated="1",
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
     )
-    env.update(extra or {})
+    for key, value in (extra or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     return env
 
 
 def run_job(
     args: Sequence[str],
     timeout: float = 300,
-    env: Optional[Mapping[str, str]] = None,
+    env: Optional[Mapping[str, Optional[str]]] = None,
     cwd: Optional[Path] = None,
     ranks: Optional[int] = None,
+    warm: bool = False,
 ) -> JobResult:
     """Run ``args`` in a new session; on time-out kill the whole process group (and only it).
 
     ``ranks=N`` (for ``python script ...`` only) starts the job warm: ``N`` ranks forked from the suite's warm server
-    (tests/warm.py), each in the environment Lightning's launcher gives its ranks. Without it, or with
-    ``LGDS_WARM=0``, ``python`` starts cold and the script's Trainer or Fabric launches its own ranks.
+    (tests/warm.py), each in the environment Lightning's launcher gives its ranks. ``warm=True`` (``python script``,
+    ``python -m module`` or ``python -c code``) forks one process from it, in the job's environment as it is: a
+    command line tool, a check script's Python, a script whose Trainer launches its own ranks. Without either, or with
+    ``LGDS_WARM=0``, ``python`` starts cold. ``env`` values of ``None`` unset a variable.
     """
-    if ranks is not None and list(args[:1]) == [sys.executable] and os.environ.get(WARM_ENV, "1") != "0":
-        return WarmServer.get().run(args[1], args[2:], ranks, timeout, env, cwd)
+    if (ranks is not None or warm) and list(args[:1]) == [sys.executable] and len(args) > 1 and \
+            os.environ.get(WARM_ENV, "1") != "0":
+        return WarmServer.get().run(args[1:], ranks or 0, timeout, env, cwd)
     start, start_wall = time.monotonic(), time.time()
     full_env = job_env({**_timing_env(), **(env or {})})
     proc = subprocess.Popen(
@@ -141,6 +150,11 @@ def _timing_env() -> dict[str, str]:
     return {FIRST_STEP_ENV: str(Path(folder) / "steps" / f"{uuid.uuid4().hex}.txt")}
 
 
+def plain_node_id(nodeid: str) -> str:
+    """A test's node id without the ``@group`` that pytest-xdist's ``--dist loadgroup`` appends to it."""
+    return nodeid[:nodeid.rfind("@")] if nodeid.rfind("@") > nodeid.rfind("]") else nodeid
+
+
 def _record_job(args: Sequence[str], env: Mapping[str, str], start_wall: float, seconds: float, warm: bool) -> None:
     """Append one job's times to ``$LGDS_SUITE_TIMES/jobs.jsonl`` (only when that variable is set)."""
     folder = os.environ.get(TIMES_ENV)
@@ -153,7 +167,8 @@ def _record_job(args: Sequence[str], env: Mapping[str, str], start_wall: float, 
         first = min(stamps) - start_wall if stamps else None
     except (OSError, ValueError):
         pass
-    record = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0], "seconds": round(seconds, 2),
+    record = {"test": plain_node_id(os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]),
+              "seconds": round(seconds, 2),
               "startup": None if first is None else round(first, 2), "warm": warm, "venv": Path(sys.prefix).name,
               "job": " ".join(Path(a).name if i < 2 else a for i, a in enumerate(args[:4]))}
     with open(Path(folder) / "jobs.jsonl", "a") as f:
@@ -161,6 +176,7 @@ def _record_job(args: Sequence[str], env: Mapping[str, str], start_wall: float, 
 
 
 WARM_ENV = "LGDS_WARM"  # "0": every job starts cold, each rank importing torch, Lightning and DeepSpeed itself
+WARM_CPU = [0.0]  # CPU seconds of the warm jobs that ended in this process (tests/conftest.py's per-test CPU time)
 
 
 class WarmServer:
@@ -218,13 +234,21 @@ class WarmServer:
                 self._cond.wait(min(left, 1.0))
             return self._answers[job_id][key]
 
-    def run(self, script: str, args: Sequence[str], ranks: int, timeout: float, env: Optional[Mapping[str, str]],
+    def run(self, argv: Sequence[str], ranks: int, timeout: float, env: Optional[Mapping[str, Optional[str]]],
             cwd: Optional[Path]) -> JobResult:
+        """Run ``python *argv`` warm: ``ranks`` ranks, or (0) one process in the job's environment as it is."""
         job_id = uuid.uuid4().hex
         output = self.folder / f"{job_id}.log"
         full_env = job_env({**_timing_env(), **(env or {})})
         start, start_wall = time.monotonic(), time.time()
-        request = {"id": job_id, "script": str(script), "args": list(args), "env": full_env,
+        argv = [str(a) for a in argv]
+        if argv[0] in ("-m", "-c") and len(argv) > 1:
+            what, args = {"module" if argv[0] == "-m" else "code": argv[1]}, argv[2:]
+        elif argv[0].startswith("-"):
+            raise ValueError(f"the warm server runs `python script`, `-m module` or `-c code`, not {argv[0]}")
+        else:
+            what, args = {"script": argv[0]}, argv[1:]
+        request = {"id": job_id, **what, "args": args, "env": full_env,
                    "cwd": str(cwd or REPO), "ranks": ranks, "output": str(output)}
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(request) + "\n")
@@ -244,8 +268,9 @@ class WarmServer:
         text = output.read_text(errors="replace") if output.exists() else ""
         output.unlink(missing_ok=True)
         with self._cond:
-            self._answers.pop(job_id, None)
-        _record_job([sys.executable, script, *args], full_env, start_wall, seconds, warm=True)
+            cpu = self._answers.pop(job_id, {}).get("cpu")
+        WARM_CPU[0] += cpu or 0.0
+        _record_job([sys.executable, *argv], full_env, start_wall, seconds, warm=True)
         return JobResult(-9 if rc is None else rc, text, seconds, timed_out)
 
     def close(self) -> None:

@@ -512,7 +512,7 @@ def test_injection_policy_that_matches_nothing_is_refused_at_tp_size_1(tmp_path:
                                                                         named: str) -> None:
     script = tmp_path / "predict.py"
     script.write_text(_PREDICT_WITH_POLICY)
-    done = run_job([sys.executable, str(script), which], timeout=240, cwd=tmp_path)
+    done = run_job([sys.executable, str(script), which], timeout=240, cwd=tmp_path, warm=True)
     assert not done.timed_out and done.returncode != 0, done.output[-3000:]
     assert "injection_policy=...) does not match the model" in done.output and named in done.output, \
         done.output[-3000:]
@@ -521,7 +521,8 @@ def test_injection_policy_that_matches_nothing_is_refused_at_tp_size_1(tmp_path:
 
 
 def _plan(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> JobResult:
-    return run_job([sys.executable, "-m", "lightning_gaudi_ds", "plan", *argv], timeout=120, cwd=cwd, env=env)
+    return run_job([sys.executable, "-m", "lightning_gaudi_ds", "plan", *argv], timeout=120, cwd=cwd, env=env,
+                   warm=True)
 
 
 @pytest.mark.multiprocess
@@ -586,8 +587,8 @@ def test_num_nodes_2_alone_fails_at_once_without_waiting(tmp_path: Path) -> None
     script = tmp_path / "two_nodes.py"
     script.write_text(_TWO_NODES)
     # What a user's shell has: no launcher, no MASTER_ADDR/MASTER_PORT (job_env sets them for other tests)
-    done = run_job(["env", "-u", "MASTER_ADDR", "-u", "MASTER_PORT", sys.executable, str(script)], timeout=120,
-                   cwd=tmp_path)
+    done = run_job([sys.executable, str(script)], timeout=120, cwd=tmp_path,
+                   env={"MASTER_ADDR": None, "MASTER_PORT": None}, warm=True)
     assert not done.timed_out and done.returncode != 0, done.output[-3000:]
     assert "Trainer(num_nodes=2), but this process runs on its own" in done.output, done.output[-3000:]
     assert "waits for" not in done.output and "TRAINED" not in done.output

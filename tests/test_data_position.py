@@ -148,10 +148,10 @@ RESTART_JOB = ("--data", "--steps", "16", "--every", "4")
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.test_restart import spawn_job
+    from tests.test_restart import reference_job
 
     out = tmp_path_factory.mktemp("uninterrupted")
-    spawn_job(out, (), RESTART_JOB).check()
+    reference_job(out, RESTART_JOB).check()
     return out
 
 

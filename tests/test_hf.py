@@ -47,7 +47,7 @@ def test_zero3_from_pretrained_loads_into_partitions_and_exports_back(tmp_path: 
     # the CLI writes the same directory from the same checkpoint
     out = tmp_path / "cli_hf"
     cli = run_job([sys.executable, "-m", "lightning_gaudi_ds", "convert", str(tmp_path / "trained.ckpt"), str(out),
-                   "--to", "hf", "--max-shard-size", "100KB"], 120).check()
+                   "--to", "hf", "--max-shard-size", "100KB"], 120, warm=True).check()
     assert "wrote" in cli.output
     check = (
         "import sys, torch; from transformers import AutoModelForCausalLM;"
@@ -56,7 +56,8 @@ def test_zero3_from_pretrained_loads_into_partitions_and_exports_back(tmp_path: 
         "d = (m.eval()(input_ids=ref['probe']).logits - ref['logits']).abs().max().item();"
         "bad = {k: v for k, v in info.items() if v}; assert not bad, bad; assert d < 1e-5, d; print('equal', d)"
     )
-    loaded = run_job([sys.executable, "-c", check, str(out), str(tmp_path / "trained_logits.pt")], 120).check()
+    loaded = run_job([sys.executable, "-c", check, str(out), str(tmp_path / "trained_logits.pt")], 120,
+                     warm=True).check()
     assert "equal" in loaded.output
     assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
     # --to safetensors: the LightningModule's state dict in one file, the same tensors as the export's
@@ -64,7 +65,7 @@ def test_zero3_from_pretrained_loads_into_partitions_and_exports_back(tmp_path: 
 
     plain = tmp_path / "model.safetensors"
     run_job([sys.executable, "-m", "lightning_gaudi_ds", "convert", str(tmp_path / "trained.ckpt"), str(plain),
-             "--to", "safetensors"], 120).check()
+             "--to", "safetensors"], 120, warm=True).check()
     state, hf_state = load_file(plain), load_file(tmp_path / "hf" / "model.safetensors")
     assert sorted(state) == sorted("model." + k for k in hf_state)
     assert all(state["model." + k].equal(v) for k, v in hf_state.items())

@@ -768,7 +768,7 @@ def test_stage_auto_in_a_real_trainer_picks_what_plan_says_at_a_boundary(tmp_pat
     assert planned[0] != "ZeRO-1" and planned[1] == "ZeRO-1"
     job = run_job([sys.executable, str(JOBS / "train_job.py"), "--out", str(tmp_path), "--stage", "auto",
                    "--device-memory", str(memory), "--width", "2048", "--precision", "bf16-mixed", "--optimizer",
-                   "adamw", "--max-steps", "2", "--no-eval"], timeout=400).check()
+                   "adamw", "--max-steps", "2", "--no-eval"], timeout=400, ranks=2).check()
     assert "stage='auto' chose ZeRO-1 (the fastest configuration that fits)" in job.output
     for rank in [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]:
         assert rank["chosen_configuration"]["label"] == "ZeRO-1" and rank["zero_stage"] == 1

@@ -402,7 +402,7 @@ def test_two_ranks_clear_a_stale_lock_and_train_with_the_op(built_shm_ext: Path,
     env = {"TORCH_EXTENSIONS_DIR": str(built_shm_ext), "LOCAL_SIZE": "2", startup.SHM_MODE_ENV: "on",
            "MASTER_PORT": port}
     result = run_job([sys.executable, str(JOBS / "train_job.py"), "--out", str(tmp_path), "--no-eval",
-                      "--max-steps", "2"], timeout=240, env=env).check()
+                      "--max-steps", "2"], timeout=240, env=env, ranks=2).check()
     assert "removed a stale DeepSpeed build lock" in result.output
     assert result.output.count("deepspeed_shm_comm_op built successfully") == 2, result.output[-3000:]
     assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
@@ -417,7 +417,8 @@ def test_shm_kernel_engages_under_lightnings_launcher_without_local_size_in_the_
     built_shm_ext: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The strategy gives DeepSpeed LOCAL_SIZE only around init_distributed (where the op reads it), never for the
-    process's life: both ranks' shm segments exist while they train, and are gone afterwards."""
+    process's life: both ranks' shm segments exist while they train, and are gone afterwards. Cold: the ranks are
+    Lightning's launcher's, as the name says."""
     monkeypatch.delenv("LOCAL_SIZE", raising=False)
     port = str(free_port())
     segments = [Path("/dev/shm") / startup.shm_segment_name(r, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
@@ -450,7 +451,8 @@ def test_two_ranks_with_a_stale_lock_and_no_compiler_train_on_gloo(ext_dir: Path
     """DeepSpeed alone waits forever on this lock; here both ranks clear it, fail the build fast, fall back."""
     _plant(ext_dir)
     result = run_job([sys.executable, str(JOBS / "train_job.py"), "--out", str(tmp_path), "--no-eval",
-                      "--max-steps", "2"], timeout=240, env={"TORCH_EXTENSIONS_DIR": str(ext_dir), **FALLBACK_ENV})
+                      "--max-steps", "2"], timeout=240, env={"TORCH_EXTENSIONS_DIR": str(ext_dir), **FALLBACK_ENV},
+                     ranks=2)
     result.check()
     assert "removed a stale DeepSpeed build lock" in result.output
     assert "built successfully" not in result.output
@@ -460,7 +462,8 @@ def test_two_ranks_with_a_stale_lock_and_no_compiler_train_on_gloo(ext_dir: Path
 @pytest.mark.multiprocess
 def test_op_unavailable_falls_back_and_says_so_once(ext_dir: Path, tmp_path: Path) -> None:
     result = run_job([sys.executable, str(JOBS / "train_job.py"), "--out", str(tmp_path), "--no-eval",
-                      "--max-steps", "2"], timeout=240, env={"TORCH_EXTENSIONS_DIR": str(ext_dir), **FALLBACK_ENV})
+                      "--max-steps", "2"], timeout=240, env={"TORCH_EXTENSIONS_DIR": str(ext_dir), **FALLBACK_ENV},
+                     ranks=2)
     result.check()
     assert result.output.count("shared-memory comm op is not used (its build failed") == 1, result.output[-3000:]
     assert "built successfully" not in result.output
@@ -506,7 +509,7 @@ def test_env_report_says_whether_deepspeed_is_habanas_fork() -> None:
 @pytest.mark.multiprocess
 def test_prebuild_without_a_compiler_fails_clearly(ext_dir: Path) -> None:
     result = run_job([sys.executable, "-m", "lightning_gaudi_ds", "env", "--build-ops", build.SHM_COMM], timeout=300,
-                     env={"TORCH_EXTENSIONS_DIR": str(ext_dir), "CXX": "/bin/false"})
+                     env={"TORCH_EXTENSIONS_DIR": str(ext_dir), "CXX": "/bin/false"}, warm=True)
     assert not result.timed_out and result.returncode == 1, result.output[-3000:]
     assert f"{build.SHM_COMM}   FAILED" in result.output and "/bin/false" in result.output  # torch's reason
     assert not (ext_dir / build.SHM_COMM / "lock").exists()

@@ -1,10 +1,13 @@
 """A fork server for the suite's jobs: ranks start warm, forked from a parent that has already imported torch,
 Lightning, DeepSpeed and transformers (6-8 s per rank on 2 cores when each rank imports them itself).
 
-Run by tests/procs.py (``WarmServer``), one per test session; never imported by the tests. The protocol is one JSON
-line per message. On stdin, a job: ``{"id", "script", "args", "env", "cwd", "ranks", "output"}``. On stdout, the
+Run by tests/procs.py (``WarmServer``), one per test session (per pytest-xdist worker); never imported by the tests.
+The protocol is one JSON line per message. On stdin, a job: ``{"id", "script" | "module" | "code", "args", "env",
+"cwd", "ranks", "output"}`` (``python script``, ``python -m module`` or ``python -c code``; ``ranks`` 0: one process
+in the job's environment as it is, a command line tool rather than a rank). On stdout, the
 server's answers: ``{"ready": true}`` once the imports are done, ``{"id", "pid"}`` when a job's leader has started
-(the leader is the job's process group: kill that group to end the job), ``{"id", "rc"}`` when it has ended.
+(the leader is the job's process group: kill that group to end the job), ``{"id", "rc", "cpu"}`` when it has ended
+(``cpu``: the CPU seconds of the leader and its ranks).
 
 Each job still gets fresh processes and a fresh process group, never a shared engine: the leader is forked from the
 server, starts its own session, and forks ``ranks`` processes. Each rank sets the environment that Lightning's own
@@ -93,6 +96,11 @@ def _lead(job: dict[str, Any]) -> Optional[dict[str, Any]]:
             env.update(NODE_RANK="0", LOCAL_RANK=str(local_rank), WORLD_SIZE=str(job["ranks"]))
             return {**job, "env": env}
         ranks[pid] = local_rank
+    if not job["ranks"]:  # one plain process: the environment as the job gave it
+        pid = os.fork()
+        if pid == 0:
+            return job
+        ranks[pid] = 0
     first_failure: Optional[int] = None
     deadline = None
     while ranks:
@@ -133,11 +141,11 @@ def serve() -> dict[str, Any]:
     buffer = b""
     while True:
         while leaders:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
             if pid == 0:
                 break
-            if pid in leaders:
-                _send({"id": leaders.pop(pid), "rc": _exit_code(status)})
+            if pid in leaders:  # the leader's CPU time includes its ranks' (it has reaped them)
+                _send({"id": leaders.pop(pid), "rc": _exit_code(status), "cpu": usage.ru_utime + usage.ru_stime})
         readable, _, _ = select.select([stdin], [], [], 0.1)
         if not readable:
             continue
@@ -166,19 +174,28 @@ def serve() -> dict[str, Any]:
 
 
 def _run(job: dict[str, Any]) -> None:
-    """In a rank: become ``python script args`` in the job's folder and environment."""
+    """In a rank: become ``python script args`` (``-m module``, ``-c code``) in the job's folder and environment."""
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
     sys.stdin = open(os.devnull)
     os.environ.clear()
     os.environ.update(job["env"])
     os.chdir(job["cwd"])
-    script = os.path.abspath(job["script"])
-    sys.argv = [script, *job["args"]]
-    sys.path[0] = os.path.dirname(script)
     import runpy  # the server's objects stay frozen: the job's own are collected as in any process
 
-    runpy.run_path(script, run_name="__main__")
+    if job.get("module"):  # as ``python -m``: the working folder first on sys.path, argv[0] the module's file
+        sys.argv = [job["module"], *job["args"]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(job["module"], run_name="__main__", alter_sys=True)
+    elif job.get("code") is not None:  # as ``python -c``
+        sys.argv = ["-c", *job["args"]]
+        sys.path[0] = ""
+        exec(compile(job["code"], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    else:
+        script = os.path.abspath(job["script"])
+        sys.argv = [script, *job["args"]]
+        sys.path[0] = os.path.dirname(script)
+        runpy.run_path(script, run_name="__main__")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,83 @@
+"""The suite on pytest-xdist workers (tests/conftest.py): tests that share a module- or session-scoped fixture run on
+one worker, so each such fixture is made once; the multi-node tier is handed out first. Checked on a small suite of
+its own, run by real workers with this suite's conftest."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.procs import REPO, run_job
+
+SUITE = '''
+import json, os, time
+import pytest
+
+def record(kind, name):
+    with open(os.environ["RECORD"], "a") as f:
+        f.write(json.dumps({"kind": kind, "name": name, "worker": os.environ.get("PYTEST_XDIST_WORKER"),
+                            "at": time.time()}) + "\\n")
+
+@pytest.fixture(scope="session")
+def hosts():
+    record("fixture", "hosts")
+    return "hosts"
+
+@pytest.fixture(scope="module")
+def job():
+    record("fixture", "job")
+    return "job"
+
+@pytest.fixture(scope="module")
+def other_job(hosts):
+    record("fixture", "other_job")
+    return "other"
+
+@pytest.mark.parametrize("i", range(4))
+def test_uses_the_job(job, i):
+    record("test", f"job{i}")
+    time.sleep(0.2)
+
+@pytest.mark.parametrize("i", range(3))
+def test_uses_the_hosts(hosts, i):
+    record("test", f"hosts{i}")
+    time.sleep(0.2)
+
+def test_uses_both_through_a_fixture(other_job):
+    record("test", "other")
+
+@pytest.mark.multinode
+def test_on_the_hosts_first(hosts):
+    record("test", "multinode")
+
+@pytest.mark.parametrize("i", range(6))
+def test_alone(tmp_path, i):
+    record("test", f"alone{i}")
+    time.sleep(0.2)
+'''
+
+
+@pytest.mark.multiprocess
+def test_workers_make_each_shared_fixture_once_and_start_with_the_multinode_tier(tmp_path: Path) -> None:
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "conftest.py").write_text("from tests.conftest import *  # noqa: F401,F403  (its hooks and fixtures)\n")
+    (suite / "test_shared.py").write_text(SUITE)
+    record = tmp_path / "record.jsonl"
+    done = run_job([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup",
+                    "--no-loadscope-reorder", "-c", str(REPO / "pyproject.toml"), "--rootdir", str(suite),
+                    str(suite)], timeout=300, cwd=suite, env={"RECORD": str(record), "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0 and "15 passed" in done.output, done.output[-3000:]
+    rows = [json.loads(line) for line in record.read_text().splitlines()]
+    made = [r["name"] for r in rows if r["kind"] == "fixture"]
+    assert sorted(made) == ["hosts", "job", "other_job"], made  # each once, on whichever worker
+    worker = {r["name"]: r["worker"] for r in rows if r["kind"] == "test"}
+    assert len({worker[f"job{i}"] for i in range(4)}) == 1
+    hosts_group = {worker[f"hosts{i}"] for i in range(3)} | {worker["other"], worker["multinode"]}
+    assert len(hosts_group) == 1, worker  # the session fixture, directly or through a module fixture
+    assert len(set(worker.values())) == 2  # both workers ran tests
+    first = min((r for r in rows if r["worker"] == worker["multinode"]), key=lambda r: r["at"])
+    assert first["name"] == "hosts", rows  # the multi-node group was its worker's first work, not its last
