@@ -137,7 +137,8 @@ def test_a_torchrun_spawn_leaves_nothing_in_the_temp_directory(tmp_path: Path) -
     temp = tmp_path / "tmp"
     temp.mkdir()
     script = tmp_path / "t.py"
-    script.write_text("import os; print('rank', os.environ['RANK'])\n")
+    # one write per rank: two ranks' print() pieces interleave on the shared pipe ('rankrank 0\n 1\n' seen in CI)
+    script.write_text("import os; os.write(1, f\"rank {os.environ['RANK']}\\n\".encode())\n")
     env = job_env({"TMPDIR": str(temp)})
     done = subprocess.run([sys.executable, "-m", "lightning_gaudi_ds", "spawn", "--world_size", "2", "--master_port",
                            "0", str(script)], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
