@@ -1,8 +1,9 @@
 """Activations are the part no formula knows: measure them with one forward/backward of one micro batch.
 
 The module runs on one device in the training precision. Each parameter's gradient is dropped as soon as it is
-accumulated (as ZeRO does when it moves gradients into its buckets), so the peak above the starting point is
-the activations kept for backward plus the gradients in flight. The second of two passes is measured, so that
+accumulated (as ZeRO does when it moves gradients into its buckets), and the module's output is dropped once the loss
+is taken from it (a training step returns the loss only), so the peak above the starting point is the activations
+kept for backward plus the gradients in flight. The second of two passes is measured, so that
 one-time allocations (kernel workspaces, library pools) are not counted. On CUDA/HPU the device allocator's peak is
 read; on CPU the C library's heap in use (``mallinfo2``: every tensor torch allocates) is sampled after each
 operator, forward and backward.
@@ -116,7 +117,8 @@ def measure_activation_bytes(
 
     ``inputs``: one micro batch — a tensor, a tuple (positional arguments) or a dict (keyword arguments, a
     Hugging Face batch). The module is moved to ``device`` in the precision's parameter dtype, as DeepSpeed
-    holds it; the loss is the output's ``loss`` when it has one, else the mean of the (first) output.
+    holds it; the loss is the output's ``loss`` when it has one, else the mean of the (first) output, and the rest of
+    the output is freed before backward, as when ``training_step`` returns the loss.
     """
     dev = torch.device(device) if device is not None else next(module.parameters()).device
     dtype = getattr(torch, PRECISION_DTYPES.get(precision, "float32"))
@@ -144,10 +146,14 @@ def _drop_grad(param: torch.Tensor) -> None:
 
 
 def _forward_backward(module: nn.Module, inputs: Any) -> None:
+    # Only the loss outlives the forward, as in a training step that returns it: the output (a Hugging Face one holds
+    # the logits and the key/value cache) is freed before backward, and with it what backward does not need.
+    _forward_loss(module, inputs).backward()
+
+
+def _forward_loss(module: nn.Module, inputs: Any) -> torch.Tensor:
     if isinstance(inputs, dict):
-        output = module(**inputs)
-    elif isinstance(inputs, (tuple, list)):
-        output = module(*inputs)
-    else:
-        output = module(inputs)
-    _loss_of(output).backward()
+        return _loss_of(module(**inputs))
+    if isinstance(inputs, (tuple, list)):
+        return _loss_of(module(*inputs))
+    return _loss_of(module(inputs))
