@@ -172,7 +172,7 @@ def run_trial(s: Settings, model: str, stage: int, tiny: bool, cap: int, rank: i
             sys.stderr.flush()
             os._exit(code)
     try:
-        status, killed_for_peer = _wait(pid, s, trials, tag, rank, t0)
+        status, killed_for_peer = _wait(pid, s.trial_timeout, trials, tag, rank, t0)
     finally:
         oom, peak = cg.oom_kills(), cg.peak()
         cg.remove()
