@@ -11,7 +11,8 @@ The planner's boundary is what ``lightning-gaudi-ds plan`` prints for the same m
 starts to fit (with the default 10% kept free it says so at bytes / 0.9, also reported). As in capacity.py the
 measured boundary is compared less the fixed cost the planner does not model (the libraries' pages a trial touches,
 gloo's and DeepSpeed's set-up): the boundary, searched the same way, of the same trial on a tiny model of the same
-kind.
+kind. That boundary holds the tiny model's own bytes too, which the subtraction removes from the model's: the twin is
+kept small enough that they are negligible (the planner's bytes for it are reported beside it).
 
     python benchmarks/boundary.py                              # both models, ZeRO-0..3, 2 ranks (~25 min on 2 cores)
     python benchmarks/boundary.py --models mlp --stages 0 3 --out /tmp/boundary
@@ -49,9 +50,11 @@ from lightning_gaudi_ds.planning.units import format_bytes  # noqa: E402
 RESULTS = HERE / "results" / "boundary"
 EXIT_NO_CGROUP = 3
 MODELS = ("mlp", "gpt2")
-# GPT-2 as tests/test_planning.py plans it; the tiny one measures the fixed cost of a GPT-2 trial
+# GPT-2 as tests/test_planning.py plans it; the tiny one measures the fixed cost of a GPT-2 trial. Its sequences are
+# short (n_positions, the trial's sequence length): at 128 tokens its attention's activations were 2.5 MiB, which the
+# fixed cost then took off the model's measured bytes (the planner counts them for the model); at 8, under 0.2 MiB
 GPT2 = {"n_embd": 256, "n_layer": 2, "n_head": 4, "vocab_size": 2048, "n_positions": 128}
-GPT2_TINY = {"n_embd": 16, "n_layer": 1, "n_head": 2, "vocab_size": 64, "n_positions": 128}
+GPT2_TINY = {"n_embd": 16, "n_layer": 1, "n_head": 2, "vocab_size": 64, "n_positions": 8}
 _TOKENS = {"bos_token_id": 0, "eos_token_id": 0}  # GPT-2's 50256 lies outside these vocabularies
 MLP_WIDTH, MLP_TINY_WIDTH = 2048, 8
 
@@ -89,26 +92,28 @@ def build(model: str, s: Settings, tiny: bool) -> tuple[Any, Any]:
     return CausalLM(config), token_loader(config.vocab_size, config.n_positions, s.batch_size, batches)
 
 
-def plan_arguments(model: str, s: Settings, folder: Path) -> list[str]:
-    """``lightning-gaudi-ds plan``'s arguments for ``model`` as the trials train it."""
+def plan_arguments(model: str, s: Settings, folder: Path, tiny: bool = False) -> list[str]:
+    """``lightning-gaudi-ds plan``'s arguments for ``model`` (``tiny``: its twin) as the trials train it."""
     common = ["--devices", str(s.world), "--device", "cpu", "--precision", s.precision, "--device-memory", "64GiB",
               "--host-memory", "64GiB", "--measure-activations", "--json"]
     if model == "mlp":
         return ["--model", "bench_model:IssueMLP", "--init-args",
-                json.dumps({"width": s.mlp_width, "batch_size": s.batch_size}), *common]
-    gpt2_config(tiny=False).save_pretrained(folder / "gpt2")
-    return ["--hf-config", str(folder / "gpt2" / "config.json"), "--batch-size", str(s.batch_size), "--seq-len",
-            str(GPT2["n_positions"]), *common]
+                json.dumps({"width": MLP_TINY_WIDTH if tiny else s.mlp_width, "batch_size": s.batch_size}), *common]
+    name = "gpt2-tiny" if tiny else "gpt2"
+    gpt2_config(tiny).save_pretrained(folder / name)
+    return ["--hf-config", str(folder / name / "config.json"), "--batch-size", str(s.batch_size), "--seq-len",
+            str((GPT2_TINY if tiny else GPT2)["n_positions"]), *common]
 
 
-def planned(model: str, s: Settings, folder: Path) -> list[dict[str, Any]]:
-    """The rows `plan` prints (``--json``) for ``model``: what it and stage="auto" decide with."""
+def planned(model: str, s: Settings, folder: Path, tiny: bool = False) -> list[dict[str, Any]]:
+    """The rows `plan` prints (``--json``) for ``model`` (``tiny``: its twin): what it and stage="auto" decide
+    with."""
     from lightning_gaudi_ds.planning import command
 
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
     out = io.StringIO()
-    command.run(parser.parse_args(plan_arguments(model, s, folder)), out)
+    command.run(parser.parse_args(plan_arguments(model, s, folder, tiny)), out)
     return json.loads(out.getvalue())
 
 
@@ -167,7 +172,7 @@ def run_trial(s: Settings, model: str, stage: int, tiny: bool, cap: int, rank: i
             sys.stderr.flush()
             os._exit(code)
     try:
-        status, killed_for_peer = _wait(pid, s, trials, tag, rank, t0)
+        status, killed_for_peer = _wait(pid, s.trial_timeout, trials, tag, rank, t0)
     finally:
         oom, peak = cg.oom_kills(), cg.peak()
         cg.remove()
@@ -280,9 +285,13 @@ def search_rank(s: Settings, rank: int, work: Path) -> int:
 
 # ------------------------------------------------------------------------------------------- report
 def derive(rows: list[dict[str, Any]], plans: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """The planner's device bytes and boundary beside the measured boundary less the fixed cost, and their errors."""
+    """The planner's device bytes and boundary beside the measured boundary less the fixed cost, and their errors;
+    the planner's bytes for the tiny twin too (part of the fixed cost: they should be negligible)."""
     for r in rows:
         p = next(x for x in plans[r["model"]] if x["stage"] == r["stage"] and not x["offload_optimizer"])
+        twin = next((x for x in plans.get(f"{r['model']}-tiny", ()) if x["stage"] == r["stage"]
+                     and not x["offload_optimizer"]), None)
+        r["twin_planned_bytes"] = None if twin is None else twin["device_bytes"]
         r["planned_bytes"] = p["device_bytes"]
         r["planned_boundary"] = int(p["device_bytes"] / (1 - p["headroom"]))
         r["headroom"] = p["headroom"]
@@ -311,12 +320,14 @@ def write_report(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) ->
         " --measure-activations` on the same model (the rows stage=\"auto\" decides with); its boundary is the"
         f" device bytes (with the default headroom of {meta['headroom']:.0%} kept free it says fits at bytes / 0.9)."
         " Fixed cost: the measured boundary of the same trial on a tiny model of the same kind (not modeled by the"
-        " planner; on a GPU it lies outside device memory).",
+        " planner; on a GPU it lies outside device memory), GPT-2"
+        f" {meta.get('gpt2_tiny', 'with 128 positions')}, MLP width {MLP_TINY_WIDTH}; it holds the tiny model's own"
+        " bytes too, which the column \"twin's own bytes\" gives as the planner counts them.",
         "",
         "| model | configuration | planner's device bytes | measured boundary (smallest cap that trains) | fixed"
         " cost | measured − fixed | planner ÷ (measured − fixed) − 1 | with 10% headroom: planner's boundary |"
-        " ÷ (measured − fixed) − 1 | trials (tiny + model) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        " ÷ (measured − fixed) − 1 | twin's own bytes (planner) | trials (tiny + model) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         last = (r["trials"] or r["tiny_trials"] or [r["loose_tiny"]])[-1]
@@ -324,7 +335,7 @@ def write_report(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) ->
         lines.append(
             f"| {r['model']} | {r['label']} | {mib(r['planned_bytes'])} | {mib(r.get('measured_bytes'))}{note} |"
             f" {mib(r.get('fixed_bytes'))} | {mib(r['measured_above_fixed'])} | {pct(r['bytes_error'])} |"
-            f" {mib(r['planned_boundary'])} | {pct(r['boundary_error'])} |"
+            f" {mib(r['planned_boundary'])} | {pct(r['boundary_error'])} | {mib(r.get('twin_planned_bytes'))} |"
             f" {len(r['tiny_trials'])} + {len(r['trials'])} |"
         )
     judged = [r for r in rows if r["bytes_error"] is not None]
@@ -418,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in s.models:
         plans[model] = planned(model, s, work)
         (work / f"plan-{model}.json").write_text(json.dumps(plans[model]))
+        plans[f"{model}-tiny"] = planned(model, s, work, tiny=True)
     budget = len(s.models) * len(s.stages) * 12 * (s.trial_timeout + 60)
     job = run_ranks([sys.executable, str(Path(__file__).resolve()), "--rank-worker", "--out", str(work),
                      "--settings", json.dumps(asdict(s))], s.world, work / "logs", budget)
@@ -439,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             "cgroup": 1 if Path("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists() else 2,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
             "deepspeed": deepspeed.__version__, "lightning": lightning.__version__,
-            "transformers": transformers.__version__}
+            "transformers": transformers.__version__, "gpt2_tiny": GPT2_TINY}
     with publish.staged(out) as stage:  # a run that fails leaves the last results as they were
         (stage.path / "boundary.jsonl").write_text("".join(json.dumps(x) + "\n" for x in [meta, *rows]))
         text = write_report(rows, meta, stage.path)

@@ -187,6 +187,18 @@ def test_boundary_refuses_to_measure_without_a_cgroup(monkeypatch: pytest.Monkey
     assert "Not measuring" in capsys.readouterr().err and not list(tmp_path.iterdir())
 
 
+def test_boundary_twins_own_bytes_are_negligible(tmp_path: Path) -> None:
+    """The fixed cost is the tiny twin's boundary, its own bytes included, and comes off the model's: as the planner
+    counts them they must be a small part of the model's (the GPT-2 twin at 128 positions held 2.5 MiB of
+    activations, 5% of the model's bytes above its fixed cost)."""
+    pytest.importorskip("transformers")
+    import boundary
+
+    s = boundary.Settings()
+    for model, of_model in (("mlp", 50 * 2**20), ("gpt2", 45 * 2**20)):  # the least measured - fixed of any stage
+        for row in boundary.planned(model, s, tmp_path, tiny=True):
+            assert row["device_bytes"] < 0.01 * of_model, (model, row["label"], row["device_bytes"])
+
 @pytest.mark.multiprocess
 def test_boundary_benchmark_finds_where_a_stage_starts_to_fit_under_a_cap(tmp_path: Path) -> None:
     """benchmarks/boundary.py on issue 43's MLP at width 1024, ZeRO-0 and ZeRO-3, 2 ranks in memory cgroups: each search

@@ -351,12 +351,41 @@ def test_measured_activations_cover_what_autograd_saves_and_scale_with_the_batch
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(x).mean().backward()
     saved.pop(x.untyped_storage().data_ptr(), None)  # the input is the batch, not an activation
+    for param in model.parameters():  # the weights the matmuls save are model states, not activations
+        saved.pop(param.untyped_storage().data_ptr(), None)
     small = measure_activation_bytes(_mlp(), torch.randn(512, 256), "32-true")
     large = measure_activation_bytes(_mlp(), torch.randn(1024, 256), "32-true")
     assert small >= sum(saved.values())
     assert 1.6 < large / small < 2.4
     assert math.isclose(measure_activation_bytes(_mlp(), torch.randn(512, 256), "bf16-mixed") / small, 0.5, abs_tol=0.2)
 
+
+
+class _ReturnsLogits(nn.Module):
+    """A Hugging Face-like output: the loss, and logits that backward does not need (the matmul saves its inputs)."""
+
+    def __init__(self, keep_logits: bool) -> None:
+        super().__init__()
+        self.keep_logits = keep_logits
+        self.proj = nn.Linear(64, 512, bias=False)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.proj(x)
+        loss = logits.mean()  # saves nothing: backward holds only the gradient of the logits
+        return {"loss": loss, "logits": logits} if self.keep_logits else {"loss": loss}
+
+
+def test_measured_activations_leave_out_the_output_a_training_step_drops():
+    # issue 43's GPT-2: the planner held the whole model output (logits, key/value cache) through backward, which a
+    # training step returning its loss does not; its activations came out 3 MiB (8%) above the training step's
+    x = torch.randn(2048, 64)
+    logits_bytes = 2048 * 512 * 4
+    torch.manual_seed(0)
+    with_logits = measure_activation_bytes(_ReturnsLogits(keep_logits=True), x, "32-true")
+    torch.manual_seed(0)
+    loss_only = measure_activation_bytes(_ReturnsLogits(keep_logits=False), x, "32-true")
+    assert loss_only >= logits_bytes  # backward's gradient of the logits is counted
+    assert abs(with_logits - loss_only) < logits_bytes / 4, (with_logits, loss_only)
 
 # ------------------------------------------------------------------------------------------ CLI
 def test_cli_json(capsys):

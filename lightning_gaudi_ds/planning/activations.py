@@ -1,8 +1,9 @@
 """Activations are the part no formula knows: measure them with one forward/backward of one micro batch.
 
 The module runs on one device in the training precision. Each parameter's gradient is dropped as soon as it is
-accumulated (as ZeRO does when it moves gradients into its buckets), so the peak above the starting point is
-the activations kept for backward plus the gradients in flight. The second of two passes is measured, so that
+accumulated (as ZeRO does when it moves gradients into its buckets), and when the module computes its own loss the
+rest of its output is dropped before backward (a training step returns the loss only), so the peak above the starting
+point is the activations kept for backward plus the gradients in flight. The second of two passes is measured, so that
 one-time allocations (kernel workspaces, library pools) are not counted. On CUDA/HPU the device allocator's peak is
 read; on CPU the C library's heap in use (``mallinfo2``: every tensor torch allocates) is sampled after each
 operator, forward and backward.
@@ -82,12 +83,18 @@ def _device_peak(device: torch.device) -> Iterator[Callable[[], int]]:
     yield lambda: int(mod.max_memory_allocated(device) - start)
 
 
+def _own_loss(output: Any) -> torch.Tensor | None:
+    """The loss the module computed itself: a Hugging Face output's ``loss``, or a dict's ``"loss"``."""
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
 def _loss_of(output: Any) -> torch.Tensor:
-    loss = getattr(output, "loss", None)  # Hugging Face model outputs
-    if isinstance(loss, torch.Tensor):
+    loss = _own_loss(output)
+    if loss is not None:
         return loss
     if isinstance(output, dict):
-        output = output.get("loss", next(iter(output.values())))
+        output = next(iter(output.values()))
     if isinstance(output, (tuple, list)):
         output = output[0]
     if not isinstance(output, torch.Tensor):
@@ -116,7 +123,9 @@ def measure_activation_bytes(
 
     ``inputs``: one micro batch — a tensor, a tuple (positional arguments) or a dict (keyword arguments, a
     Hugging Face batch). The module is moved to ``device`` in the precision's parameter dtype, as DeepSpeed
-    holds it; the loss is the output's ``loss`` when it has one, else the mean of the (first) output.
+    holds it. The loss is the output's ``loss`` when it has one (the rest of the output is freed before backward, as
+    when ``training_step`` returns the loss), else the mean of the (first) output, which is then held through
+    backward in place of what the training step's loss would keep.
     """
     dev = torch.device(device) if device is not None else next(module.parameters()).device
     dtype = getattr(torch, PRECISION_DTYPES.get(precision, "float32"))
@@ -150,4 +159,13 @@ def _forward_backward(module: nn.Module, inputs: Any) -> None:
         output = module(*inputs)
     else:
         output = module(inputs)
+    loss = _own_loss(output)
+    if loss is not None:
+        # the module computed its loss: a training step returns it, and the rest of the output (a Hugging Face one
+        # holds the logits and the key/value cache) is freed before backward
+        del output
+        loss.backward()
+        return
+    # the mean stands in for the training step's own loss, which (cross-entropy, MSE) keeps a tensor the size of the
+    # output for backward: the output, held through backward, stands in for it
     _loss_of(output).backward()
