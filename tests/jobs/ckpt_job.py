@@ -40,7 +40,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import RegressionModel, WireWindow, job_parser, make_data, mark_first_step, write_result
+from common import RegressionModel, WireWindow, job_parser, make_data, mark_first_step, say, write_result
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -115,7 +115,7 @@ class Recorder(L.Callback):
             def save_zero(*args: Any, **kwargs: Any) -> Any:
                 self.saves += 1
                 if self.saves == self.kill_at_save:
-                    print(f"rank {trainer.global_rank}: SIGKILL during save {self.saves}", flush=True)
+                    say(f"rank {trainer.global_rank}: SIGKILL during save {self.saves}")
                     os.kill(os.getpid(), signal.SIGKILL)
                 return original(*args, **kwargs)
 

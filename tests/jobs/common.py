@@ -231,7 +231,16 @@ def write_result(out: str | Path, rank: int, result: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     result = {**result, "host": socket.gethostname()}
     (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=repr))
-    print(f"rank {rank} done pid={os.getpid()}", flush=True)
+    say(f"rank {rank} done pid={os.getpid()}")
+
+
+def say(line: str) -> None:
+    """Print one line in one write: ranks share the job's stdout pipe, and print()'s separate writes of the text and
+    its newline interleave ("{'python': 2}exit-threads rank=0 {...}" seen in CI), which the tests' line regexes miss."""
+    import sys
+
+    sys.stdout.flush()
+    os.write(1, (line + "\n").encode())
 
 
 class WireWindow(L.Callback):

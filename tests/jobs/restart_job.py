@@ -34,7 +34,7 @@ from typing import Any
 import lightning as L
 import psutil
 import torch
-from common import RegressionModel, start_process
+from common import RegressionModel, say, start_process
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -69,7 +69,7 @@ class StepModel(RegressionModel):
         self.losses.append(float(loss.detach()))
         self.batches.append(float(batch[0].double().sum()))  # what the loader gave (recorded, not trained on)
         self._record()
-        print(f"step {step} rank {self.global_rank}", flush=True)
+        say(f"step {step} rank {self.global_rank}")
         for kill in self.kills:
             attempt, at, rank, sig = kill.split(":")
             if int(attempt) == ATTEMPT and int(at) == step and rank in ("all", str(self.global_rank)):

@@ -29,6 +29,7 @@ from common import (
     RegressionModel,
     basic_optimizer,
     job_parser,
+    say,
     start_process,
     write_result,
 )
@@ -47,7 +48,7 @@ class Fault(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         if self.rank not in (-1, trainer.global_rank) or trainer.global_step != self.step:
             return
-        print(f"rank {trainer.global_rank}: injecting fault {self.mode!r} at step {self.step}", flush=True)
+        say(f"rank {trainer.global_rank}: injecting fault {self.mode!r} at step {self.step}")
         if self.mode == "raise":
             raise RuntimeError(f"injected fault on rank {trainer.global_rank}")
         if self.mode == "exit":
@@ -77,7 +78,7 @@ class LateRegressionModel(RegressionModel):
 def _print_exit_threads() -> None:
     tasks = sorted(os.listdir("/proc/self/task"))
     names = collections.Counter(open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks)
-    print(f"exit-threads rank={os.environ.get('LOCAL_RANK', '0')} {dict(sorted(names.items()))}", flush=True)
+    say(f"exit-threads rank={os.environ.get('LOCAL_RANK', '0')} {dict(sorted(names.items()))}")
 
 
 def main(argv: list[str] | None = None) -> None:
