@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 
 from lightning_gaudi_ds import _compat
-from lightning_gaudi_ds._classes import import_class
+from lightning_gaudi_ds._classes import module_classes
 from lightning_gaudi_ds.checkpoint import export
 from lightning_gaudi_ds.config import ConfigError
 from lightning_gaudi_ds.errors import ModelLoadError
@@ -204,21 +204,8 @@ def _json_default(value: Any) -> Any:
 # ------------------------------------------------------------------------------- ZeRO-3 leaf modules (MoE)
 def leaf_module_classes(value: Sequence[type[Module] | str] | None) -> tuple[type[Module], ...]:
     """``HPUDeepSpeedStrategy(zero3_leaf_modules=...)`` as module classes (import paths imported)."""
-    if value is None:
-        return ()
-    if isinstance(value, (str, type)) or not isinstance(value, Sequence):
-        value = [value]
-    classes = []
-    for item in value:
-        cls = import_class(item, f"zero3_leaf_modules=[{item!r}]") if isinstance(item, str) else item
-        if not (isinstance(cls, type) and issubclass(cls, Module)):
-            raise ConfigError(
-                f"HPUDeepSpeedStrategy(zero3_leaf_modules=...): {item!r} is not a torch.nn.Module subclass. Give"
-                " module classes or their import paths, e.g."
-                " ['transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock']."
-            )
-        classes.append(cls)
-    return tuple(classes)
+    return module_classes(value, "zero3_leaf_modules", "Give module classes or their import paths, e.g."
+                          " ['transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock'].")
 
 
 def mark_leaf_modules(model: Module, classes: tuple[type[Module], ...]) -> None:

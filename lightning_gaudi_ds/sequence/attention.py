@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_gaudi_ds import _compat
-from lightning_gaudi_ds._classes import import_class
+from lightning_gaudi_ds._classes import module_classes as _module_classes
 from lightning_gaudi_ds.errors import ArgumentTypeError, ConfigError
 from lightning_gaudi_ds.sequence.groups import SequenceGroups
 
@@ -96,26 +96,18 @@ def _heads(counts: dict[str, int]) -> str:
 
 def module_classes(value: Sequence[type[Module] | str] | type[Module] | str | None) -> tuple[type[Module], ...]:
     """``HPUDeepSpeedStrategy(sequence_parallel_modules=...)`` as module classes (import paths imported)."""
-    if value is None:
-        return ()
-    items = [value] if isinstance(value, (str, type)) or not isinstance(value, Sequence) else list(value)
-    classes = []
-    for item in items:
-        cls = import_class(item, f"sequence_parallel_modules=[{item!r}]") if isinstance(item, str) else item
-        if not (isinstance(cls, type) and issubclass(cls, Module)):
-            raise ConfigError(
-                f"HPUDeepSpeedStrategy(sequence_parallel_modules=...): {item!r} is not a torch.nn.Module subclass."
-                " Give the classes (or import paths) of your attention modules: modules whose forward takes query,"
-                " key and value first and returns the attention output (see lightning_gaudi_ds.sequence)."
-            )
+    classes = _module_classes(
+        value, "sequence_parallel_modules", "Give the classes (or import paths) of your attention modules: modules"
+        " whose forward takes query, key and value first and returns the attention output (see"
+        " lightning_gaudi_ds.sequence).")
+    for cls in classes:
         layout = getattr(cls, LAYOUT_ATTRIBUTE, "bhsd")
         if layout not in LAYOUTS:
             raise ConfigError(
                 f"{cls.__name__}.{LAYOUT_ATTRIBUTE} = {layout!r}: sequence parallelism knows {LAYOUTS[0]!r}"
                 f" ((batch, heads, sequence, head size), the default) and {LAYOUTS[1]!r}."
             )
-        classes.append(cls)
-    return tuple(classes)
+    return classes
 
 
 def find_modules(model: Module, classes: tuple[type[Module], ...]) -> list[Module]:
