@@ -7,6 +7,7 @@ import importlib
 import json
 import stat
 import sys
+import tempfile
 from pathlib import Path
 
 import lightning  # noqa: F401  (its import sets two torch variables: before the tests, which check os.environ)
@@ -148,14 +149,20 @@ def test_a_recipe_run_with_a_failure_writes_no_results(tmp_path: Path, monkeypat
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     import recipes
 
-    (tmp_path / "recipes.jsonl").write_text('{"type": "meta", "started": "then", "steps": 3}\n')
+    kept_root = tmp_path / "system-temp"  # the failed run's files are kept in the system's temp folder: this test's
+    kept_root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(kept_root))
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "recipes.jsonl").write_text('{"type": "meta", "started": "then", "steps": 3}\n')
     monkeypatch.setattr(recipes, "run_recipe", lambda name, *a: {"recipe": name, "ok": False, "error": "boom"})
-    assert recipes.main(["--only", "zero1_bf16", "--steps", "3", "--out", str(tmp_path)]) == 1
-    assert [p.name for p in tmp_path.iterdir()] == ["recipes.jsonl"]
-    assert (tmp_path / "recipes.jsonl").read_text() == '{"type": "meta", "started": "then", "steps": 3}\n'
+    assert recipes.main(["--only", "zero1_bf16", "--steps", "3", "--out", str(out)]) == 1
+    assert [p.name for p in out.iterdir()] == ["recipes.jsonl"]
+    assert (out / "recipes.jsonl").read_text() == '{"type": "meta", "started": "then", "steps": 3}\n'
     err = capsys.readouterr().err
     assert "recipe(s) failed: zero1_bf16: no results written" in err and "This run's files are in" in err
     kept = Path(err.split("This run's files are in ")[1].split()[0].rstrip("."))
+    assert kept.parent == kept_root
     assert sorted(p.name for p in kept.iterdir()) == ["recipes.jsonl", "recipes.md"]
 
 
