@@ -42,7 +42,7 @@ for path in (str(HERE), str(REPO)):
         sys.path.insert(0, path)
 
 import publish  # noqa: E402
-from capacity import Cgroup, _wait, agree, check_cgroups  # noqa: E402
+from capacity import Cgroup, agree, check_cgroups, wait_rank  # noqa: E402
 from flags import fraction, int_at_least, positive_float, positive_int, size  # noqa: E402
 
 from lightning_gaudi_ds.planning.units import format_bytes  # noqa: E402
@@ -172,7 +172,7 @@ def run_trial(s: Settings, model: str, stage: int, tiny: bool, cap: int, rank: i
             sys.stderr.flush()
             os._exit(code)
     try:
-        status, killed_for_peer = _wait(pid, s.trial_timeout, trials, tag, rank, t0)
+        status, killed_for_peer = wait_rank(pid, s.trial_timeout, trials, tag, rank, t0)
     finally:
         oom, peak = cg.oom_kills(), cg.peak()
         cg.remove()
@@ -406,16 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.freeze()  # the collector does not copy the imports' pages into a trial's cgroup (capacity.py)
         return search_rank(s, int(os.environ["RANK"]), Path(args.out))
     if args.report_only:
-        if not (out / "boundary.jsonl").is_file():
-            print(f"boundary.py --report-only: no results to report in {out} (no boundary.jsonl). Run boundary.py"
-                  " first, or pass --out with the folder of an earlier run.", file=sys.stderr)
-            return 2
-        lines = [json.loads(x) for x in (out / "boundary.jsonl").read_text().splitlines()]
-        meta = next(x for x in lines if x["type"] == "meta")
-        with publish.staged(out) as stage:
-            text = write_report([x for x in lines if x["type"] == "boundary"], meta, stage.path)
-        print(text)
-        return 0
+        return publish.report_only("boundary.py", out, "boundary", write_report)
     why = check_cgroups()
     if why:
         print(f"boundary.py: {why}. Not measuring: without a cap per rank there is no boundary.", file=sys.stderr)

@@ -322,7 +322,7 @@ def run_capped(train: Callable[[], Any], *, cap: int, rank: int, work: Path, tag
             sys.stderr.flush()
             os._exit(code)
     try:
-        status, killed_for_peer = _wait(pid, timeout, trials, tag, rank, t0)
+        status, killed_for_peer = wait_rank(pid, timeout, trials, tag, rank, t0)
     finally:
         oom, peak = cg.oom_kills(), cg.peak()
         cg.remove()
@@ -348,7 +348,7 @@ def run_capped(train: Callable[[], Any], *, cap: int, rank: int, work: Path, tag
     return result
 
 
-def _wait(pid: int, timeout: float, trials: Path, tag: str, rank: int, t0: float) -> tuple[int, bool]:
+def wait_rank(pid: int, timeout: float, trials: Path, tag: str, rank: int, t0: float) -> tuple[int, bool]:
     """The child's exit status, and whether it was killed because another rank's trial had failed."""
     killed_for_peer = False
     deadline = t0 + timeout + 30
@@ -640,12 +640,8 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def update_readme(text: str, readme: Path) -> None:
-    start, end = "<!-- capacity:start -->", "<!-- capacity:end -->"
-    body = readme.read_text()
-    if start in body and end in body:
-        pre, rest = body.split(start, 1)
-        chart = "![largest model per configuration under the cap](results/capacity/capacity.png)\n"
-        publish.write_text(readme, pre + start + "\n" + text + "\n" + chart + end + rest.split(end, 1)[1])
+    chart = "![largest model per configuration under the cap](results/capacity/capacity.png)\n"
+    publish.replace_section(readme, "capacity", text + "\n" + chart)
 
 
 # ------------------------------------------------------------------------------------------- driver
@@ -707,18 +703,8 @@ def main(argv: list[str] | None = None) -> int:
         gc.freeze()
         return search_rank(s, rank, world, out)
     if args.report_only:
-        if not (out / "capacity.jsonl").is_file():
-            print(f"capacity.py --report-only: no results to report in {out} (no capacity.jsonl). Run capacity.py"
-                  " first, or pass --out with the folder of an earlier run.", file=sys.stderr)
-            return 2
-        lines = [json.loads(x) for x in (out / "capacity.jsonl").read_text().splitlines()]
-        meta = next(x for x in lines if x["type"] == "meta")
-        with publish.staged(out) as stage:
-            text = write_report([x for x in lines if x["type"] == "capacity"], meta, stage.path)
-        if not args.no_readme:
-            update_readme(text, HERE / "README.md")
-        print(text)
-        return 0
+        return publish.report_only("capacity.py", out, "capacity", write_report,
+                                   None if args.no_readme else lambda text: update_readme(text, HERE / "README.md"))
     why = check_cgroups()
     if why:
         print(f"capacity.py: {why}. Not measuring: without a cap per rank the sizes would mean nothing.",

@@ -5,13 +5,15 @@ that fails (an exception, or :meth:`Stage.discard`) leaves the folder as it was:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 
 class Stage:
@@ -82,3 +84,34 @@ def write_text(path: Path, text: str) -> None:
 def append_text(path: Path, text: str) -> None:
     """``path``'s text followed by ``text``, written as :func:`write_text` does."""
     write_text(path, (path.read_text() if path.exists() else "") + text)
+
+
+def replace_section(readme: Path, name: str, body: str) -> None:
+    """Replace what lies between ``<!-- name:start -->`` and ``<!-- name:end -->`` in ``readme`` with ``body`` (in one
+    rename); a readme without both markers is left as it is."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    text = readme.read_text()
+    if start in text and end in text:
+        pre, rest = text.split(start, 1)
+        write_text(readme, pre + start + "\n" + body + end + rest.split(end, 1)[1])
+
+
+def report_only(script: str, out: Path, kind: str,
+                write_report: Callable[[list[dict[str, Any]], dict[str, Any], Path], str],
+                readme: Callable[[str], None] | None = None) -> int:
+    """A benchmark's ``--report-only``: its report made again from ``out/<kind>.jsonl`` (the rows of type ``kind``
+    and the run's meta row), published as a run's would be, and printed; with ``readme``, that is given the text.
+    Returns the exit status: 2, saying so, where ``out`` holds no results."""
+    results = out / f"{kind}.jsonl"
+    if not results.is_file():
+        print(f"{script} --report-only: no results to report in {out} (no {results.name}). Run {script} first, or"
+              " pass --out with the folder of an earlier run.", file=sys.stderr)
+        return 2
+    lines = [json.loads(x) for x in results.read_text().splitlines()]
+    meta = next(x for x in lines if x["type"] == "meta")
+    with staged(out) as stage:
+        text = write_report([x for x in lines if x["type"] == kind], meta, stage.path)
+    if readme is not None:
+        readme(text)
+    print(text)
+    return 0

@@ -332,11 +332,7 @@ def goal_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def update_readme(text: str, readme: Path) -> None:
-    start, end = "<!-- sequence:start -->", "<!-- sequence:end -->"
-    body = readme.read_text()
-    if start in body and end in body:
-        pre, rest = body.split(start, 1)
-        publish.write_text(readme, pre + start + "\n" + text + end + rest.split(end, 1)[1])
+    publish.replace_section(readme, "sequence", text)
 
 
 # ------------------------------------------------------------------------------------------- driver
@@ -412,18 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         gc.freeze()
         return search_rank(s, rank, out, json.loads(args.plan))
     if args.report_only:
-        if not (out / "sequence.jsonl").is_file():
-            print(f"sequence.py --report-only: no results to report in {out} (no sequence.jsonl). Run"
-                  " sequence.py first, or pass --out with the folder of an earlier run.", file=sys.stderr)
-            return 2
-        lines = [json.loads(x) for x in (out / "sequence.jsonl").read_text().splitlines()]
-        meta = next(x for x in lines if x["type"] == "meta")
-        with publish.staged(out) as stage:
-            text = write_report([x for x in lines if x["type"] == "sequence"], meta, stage.path)
-        if not args.no_readme:
-            update_readme(text, HERE / "README.md")
-        print(text)
-        return 0
+        return publish.report_only("sequence.py", out, "sequence", write_report,
+                                   None if args.no_readme else lambda text: update_readme(text, HERE / "README.md"))
     why = check_cgroups()
     if why:
         print(f"sequence.py: {why}. Not measuring: without a cap per rank the lengths would mean nothing.",
