@@ -89,17 +89,24 @@ pipq() { python -m pip install -q "$@" 2>&1 | { grep -v '^WARNING: Location' || 
 # The lock's files, then the package itself, editable, without resolving anything again. uv installs the lock (its
 # parallel downloads and unpacking: about 30 s here against pip's 140 s), itself installed by pip from its hashed
 # lines in the lock. uv reads no pip configuration: the machine's find-links (a wheel that lies on disk, as torch's CPU
-# build here) are passed on. --compile-bytecode, as pip does: without .pyc files (uv's default), and with
-# PYTHONDONTWRITEBYTECODE set as on this machine, every process would compile torch's and Lightning's sources again.
+# build here), CA bundle and time-out are passed on. --compile-bytecode, as pip does: without .pyc files (uv's
+# default), and with PYTHONDONTWRITEBYTECODE set as on this machine, every process would compile torch's and
+# Lightning's sources again.
 # Where uv fails, pip installs the lock, saying so.
 uv_lock=$(mktemp)
 awk '/^uv==/{p=1} p{print} p && !/\\$/{exit}' "$LOCK" > "$uv_lock"
-links=$(python -m pip config get global.find-links 2>/dev/null || true)
-links="${PIP_FIND_LINKS:-} $links"
+pipconf() { python -m pip config get "global.$1" 2>/dev/null || true; }
+links="${PIP_FIND_LINKS:-} $(pipconf find-links)"
 uv_args=()
 for link in $links; do uv_args+=(--find-links "$link"); done
+cert=${PIP_CERT:-$(pipconf cert)}  # a CA bundle pip is told to trust (a proxy's): uv trusts it too
+timeout=${PIP_DEFAULT_TIMEOUT:-$(pipconf default-timeout)}
+uv_env=()
+if [ -n "$cert" ]; then uv_env+=("SSL_CERT_FILE=$cert"); fi
+if [ -n "$timeout" ]; then uv_env+=("UV_HTTP_TIMEOUT=$timeout"); fi
 if ! { [ -s "$uv_lock" ] && pipq --require-hashes --no-deps -r "$uv_lock" \
-       && python -m uv pip install -q --compile-bytecode --python "$VENV/bin/python" --require-hashes "${uv_args[@]}" -r "$LOCK"; }; then
+       && env "${uv_env[@]}" python -m uv pip install -q --compile-bytecode --python "$VENV/bin/python" \
+            --require-hashes "${uv_args[@]}" -r "$LOCK"; }; then
   echo "setup.sh: uv could not install $LOCK (above): pip installs it" >&2
   pipq --require-hashes -r "$LOCK"
 fi
