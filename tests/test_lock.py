@@ -29,11 +29,24 @@ def test_lock_matches_the_requirements_and_pins_every_file(lock: Path) -> None:
     text = lock.read_text()
     assert "--hash=sha256:" in text
     assert not [x for x in text.splitlines() if x.startswith(("lightning-gaudi-ds", "lightning_gaudi_ds"))]  # deps only
-    for name in ("torch==2.13.0", "lightning==", "deepspeed==", "setuptools=="):
+    for name in ("torch==2.13.0", "lightning==", "deepspeed==", "setuptools==", "uv=="):
         assert name in text, name
     assert "lightning==2.6.2 " not in text and "lightning==2.6.3 " not in text
     if "0.16.1" in lock.name:
         assert "deepspeed==0.16.1 " in text
+
+
+@pytest.mark.parametrize("lock", LOCKS, ids=lambda p: p.name)
+def test_setup_takes_uv_with_its_hashes_from_the_lock(lock: Path) -> None:
+    """scripts/setup.sh installs uv with pip from the lock's own uv lines (its awk program), then the lock with uv."""
+    setup = (REPO / "scripts" / "setup.sh").read_text()
+    program = next(line for line in setup.splitlines() if line.startswith("awk "))
+    assert program.endswith('"$LOCK" > "$uv_lock"'), program
+    lines = subprocess.run(["bash", "-c", program.replace('"$LOCK" > "$uv_lock"', '"$1"'), "awk", str(lock)],
+                           capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()
+    assert lines[0].startswith("uv==") and lines[0].endswith(" \\"), lines[:1]
+    assert len(lines) > 2 and all(x.strip().startswith("--hash=sha256:") for x in lines[1:]), lines
+    assert all(x.endswith(" \\") for x in lines[1:-1]) and not lines[-1].endswith("\\"), lines
 
 
 def test_a_stale_lock_is_refused_with_the_refresh_command(tmp_path: Path) -> None:
