@@ -30,8 +30,12 @@ if [ $# -eq 0 ] && [ "${LGDS_TEST_WORKERS:-2}" != "0" ]; then
   # --dist loadgroup keeps each xdist_group on one worker; without reordering, the longest work goes first
   workers=(-n "${LGDS_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder)
 fi
-# The suite caches bytecode (the package's, the tests' as pytest rewrites them), under __pycache__ (git-ignored), even
+# The suite caches bytecode (the package's, the tests' as pytest rewrites them, the libraries' modules that set-up's
+# import did not reach), under __pycache__ (git-ignored), even
 # where PYTHONDONTWRITEBYTECODE is set (as on the machine this was written on): otherwise each of the suite's few
 # hundred processes compiles the package's sources again, and each run rewrites every test module's asserts.
 unset PYTHONDONTWRITEBYTECODE
+# DeepSpeed's op builds go through ccache where set-up installed it (tests/test_startup.py builds an op again: a cache
+# hit of the set-up's build)
+export PATH="/usr/lib/ccache:$PATH" CCACHE_NOHASHDIR=1  # as setup.sh's op build
 python -m pytest -q --durations=15 "${workers[@]}" "${tier[@]}" "$@"

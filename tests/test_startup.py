@@ -371,7 +371,8 @@ def built_shm_ext(tmp_path_factory: pytest.TempPathFactory) -> Path:
     lock = root / build.SHM_COMM / "lock"
     from tests.procs import job_env
 
-    proc = subprocess.Popen(cmd, env=job_env(env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    # the build to kill compiles for real: from ccache's cache (scripts/test.sh) it could end before the kill
+    proc = subprocess.Popen(cmd, env=job_env({**env, "CCACHE_DISABLE": "1"}), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.monotonic() + 120
     while not lock.exists() and time.monotonic() < deadline and proc.poll() is None:
