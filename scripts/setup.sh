@@ -80,8 +80,6 @@ if ! command -v ccache >/dev/null 2>&1; then
       || echo "setup.sh: ccache could not be installed: DeepSpeed's ops build without a compiler cache" >&2
   fi
 fi
-# Debian's compiler names that go through ccache; the build folder is not part of a compile's key (-g records it)
-CCACHE_ENV=(PATH="/usr/lib/ccache:$PATH" CCACHE_NOHASHDIR=1)
 DS_PIN=${LIGHTNING_GAUDI_DS_DEEPSPEED:-}
 VENV=.venv${DS_PIN:+-deepspeed-$DS_PIN}
 # Everything comes from a hash-locked file (pip --require-hashes), made by `bash scripts/lock.sh` from pyproject.toml's
@@ -135,7 +133,9 @@ pipq --no-deps --no-build-isolation -e .
 # `lightning-gaudi-ds env --build-ops async_io`; benchmarks/capacity.py builds it before its NVMe trials.
 OPS=(deepspeed_shm_comm cpu_adam)
 if [ "${LIGHTNING_GAUDI_DS_SKIP_OP_BUILD:-0}" != "1" ]; then
-  env -u PYTHONDONTWRITEBYTECODE "${CCACHE_ENV[@]}" python -m lightning_gaudi_ds env --build-ops "${OPS[@]}" \
+  # ccache: Debian's compiler names that go through it first on PATH; the build folder is not part of a compile's key
+  # (-g records it, so by default it would be)
+  env -u PYTHONDONTWRITEBYTECODE PATH="/usr/lib/ccache:$PATH" CCACHE_NOHASHDIR=1 python -m lightning_gaudi_ds env --build-ops "${OPS[@]}" \
     || echo "setup.sh: DeepSpeed ops not built (see above): training falls back to torch.distributed collectives; ZeRO-Offload needs cpu_adam" >&2
   export LGDS_SET_UP="$(pwd)/$VENV"  # set up in full (the ops too): see the top
 fi
