@@ -40,7 +40,7 @@ def test_lock_matches_the_requirements_and_pins_every_file(lock: Path) -> None:
 def test_setup_takes_uv_with_its_hashes_from_the_lock(lock: Path) -> None:
     """scripts/setup.sh installs uv with pip from the lock's own uv lines (its awk program), then the lock with uv."""
     setup = (REPO / "scripts" / "setup.sh").read_text()
-    program = next(line for line in setup.splitlines() if line.startswith("awk "))
+    program = next(line.strip() for line in setup.splitlines() if line.strip().startswith("awk "))
     assert program.endswith('"$LOCK" > "$uv_lock"'), program
     lines = subprocess.run(["bash", "-c", program.replace('"$LOCK" > "$uv_lock"', '"$1"'), "awk", str(lock)],
                            capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()
