@@ -147,9 +147,10 @@ ops_built() {
   done
 }
 if [ "${LIGHTNING_GAUDI_DS_SKIP_OP_BUILD:-0}" != "1" ] && ! ops_built; then
-  # ccache: Debian's compiler names that go through it first on PATH; the build folder is not part of a compile's key
-  # (-g records it, so by default it would be)
-  if env -u PYTHONDONTWRITEBYTECODE PATH="/usr/lib/ccache:$PATH" CCACHE_NOHASHDIR=1 \
+  # ccache: Debian's compiler names that go through it first on PATH; its cache in the environment (always writable);
+  # the build folder is not part of a compile's key (-g records it, so by default it would be)
+  if env -u PYTHONDONTWRITEBYTECODE PATH="/usr/lib/ccache:$PATH" CCACHE_DIR="${CCACHE_DIR:-$(pwd)/$VENV/ccache}" \
+       CCACHE_NOHASHDIR=1 \
        python -m lightning_gaudi_ds env --build-ops "${OPS[@]}"; then
     echo "$made_from $ext" > "$VENV/.lgds-ops"
   else

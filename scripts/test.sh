@@ -37,5 +37,5 @@ fi
 unset PYTHONDONTWRITEBYTECODE
 # DeepSpeed's op builds go through ccache where set-up installed it (tests/test_startup.py builds an op again: a cache
 # hit of the set-up's build)
-export PATH="/usr/lib/ccache:$PATH" CCACHE_NOHASHDIR=1  # as setup.sh's op build
+export PATH="/usr/lib/ccache:$PATH" CCACHE_DIR="${CCACHE_DIR:-$VIRTUAL_ENV/ccache}" CCACHE_NOHASHDIR=1  # as setup.sh's
 python -m pytest -q --durations=15 "${workers[@]}" "${tier[@]}" "$@"
