@@ -70,8 +70,9 @@ if [ ! -e /usr/include/libaio.h ]; then
     echo "setup.sh: no libaio.h and no apt-get: install libaio-dev yourself for NVMe offload" >&2
   fi
 fi
-# ccache for DeepSpeed's op builds (below, and the suite's: scripts/test.sh): a build of the same sources again (a new
-# extensions folder, an environment made again) takes 7 CPU s instead of 70-110. Without it ops build as before.
+# ccache for DeepSpeed's op builds (torch's JIT build puts it before the compiler when installed; below, and the
+# suite's, scripts/test.sh): a build of the same sources again (a new extensions folder, an environment made again)
+# takes 7 CPU s instead of 70-110. Without it ops build as before.
 if ! command -v ccache >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
@@ -147,10 +148,9 @@ ops_built() {
   done
 }
 if [ "${LIGHTNING_GAUDI_DS_SKIP_OP_BUILD:-0}" != "1" ] && ! ops_built; then
-  # ccache: Debian's compiler names that go through it first on PATH; its cache in the environment (always writable);
+  # ccache: torch puts it before the compiler where it is installed; its cache in the environment (always writable);
   # the build folder is not part of a compile's key (-g records it, so by default it would be)
-  if env -u PYTHONDONTWRITEBYTECODE PATH="/usr/lib/ccache:$PATH" CCACHE_DIR="${CCACHE_DIR:-$(pwd)/$VENV/ccache}" \
-       CCACHE_NOHASHDIR=1 \
+  if env -u PYTHONDONTWRITEBYTECODE CCACHE_DIR="${CCACHE_DIR:-$(pwd)/$VENV/ccache}" CCACHE_NOHASHDIR=1 \
        python -m lightning_gaudi_ds env --build-ops "${OPS[@]}"; then
     echo "$made_from $ext" > "$VENV/.lgds-ops"
   else

@@ -35,7 +35,7 @@ fi
 # where PYTHONDONTWRITEBYTECODE is set (as on the machine this was written on): otherwise each of the suite's few
 # hundred processes compiles the package's sources again, and each run rewrites every test module's asserts.
 unset PYTHONDONTWRITEBYTECODE
-# DeepSpeed's op builds go through ccache where set-up installed it (tests/test_startup.py builds an op again: a cache
-# hit of the set-up's build)
-export PATH="/usr/lib/ccache:$PATH" CCACHE_DIR="${CCACHE_DIR:-$VIRTUAL_ENV/ccache}" CCACHE_NOHASHDIR=1  # as setup.sh's
+# DeepSpeed's op builds go through ccache where set-up installed it, with set-up's cache (tests/test_startup.py builds
+# an op again: a cache hit of the set-up's build)
+export CCACHE_DIR="${CCACHE_DIR:-$VIRTUAL_ENV/ccache}" CCACHE_NOHASHDIR=1  # as setup.sh's op build
 python -m pytest -q --durations=15 "${workers[@]}" "${tier[@]}" "$@"

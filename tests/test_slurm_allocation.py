@@ -142,8 +142,9 @@ def test_spawn_in_a_requeued_job_tells_its_ranks_the_restart(tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside a job SLURM requeued twice, the runner's first start is restart 2 for its ranks (they resume)."""
     toy = tmp_path / "toy.py"
-    toy.write_text("import os\nprint('restart', os.environ['LIGHTNING_GAUDI_DS_RESTART'],"
-                   " [k for k in os.environ if k.startswith('SLURM_')])\n")
+    # one write per line: the two ranks share the output, and print's separate writes of its arguments interleave
+    toy.write_text("import os, sys\nsys.stdout.write(f\"restart {os.environ['LIGHTNING_GAUDI_DS_RESTART']}"
+                   " {[k for k in os.environ if k.startswith('SLURM_')]}\\n\")\n")
     out = tmp_path / "out.txt"
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
     import subprocess

@@ -371,8 +371,10 @@ def built_shm_ext(tmp_path_factory: pytest.TempPathFactory) -> Path:
     lock = root / build.SHM_COMM / "lock"
     from tests.procs import job_env
 
-    # the build to kill compiles for real: from ccache's cache (scripts/test.sh) it could end before the kill
-    proc = subprocess.Popen(cmd, env=job_env({**env, "CCACHE_DISABLE": "1"}), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    # the build to kill compiles for real: torch puts ccache or sccache before the compiler where installed (set-up
+    # installs ccache), and from their cache the build could end before the kill
+    no_cache = {"TORCH_NO_COMPILER_WRAPPER": "1", "CCACHE_DISABLE": "1"}
+    proc = subprocess.Popen(cmd, env=job_env({**env, **no_cache}), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.monotonic() + 120
     while not lock.exists() and time.monotonic() < deadline and proc.poll() is None:
