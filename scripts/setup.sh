@@ -147,16 +147,16 @@ ops_built() {
     [ -n "$(find "$ext" -maxdepth 3 -path "*/$op/$op.so" -print -quit 2>/dev/null)" ] || return 1
   done
 }
-if [ "${LIGHTNING_GAUDI_DS_SKIP_OP_BUILD:-0}" != "1" ] && ! ops_built; then
-  # ccache: torch puts it before the compiler where it is installed; its cache in the environment (always writable);
-  # the build folder is not part of a compile's key (-g records it, so by default it would be)
-  if env -u PYTHONDONTWRITEBYTECODE CCACHE_DIR="${CCACHE_DIR:-$(pwd)/$VENV/ccache}" CCACHE_NOHASHDIR=1 \
-       python -m lightning_gaudi_ds env --build-ops "${OPS[@]}"; then
-    echo "$made_from $ext" > "$VENV/.lgds-ops"
-  else
-    echo "setup.sh: DeepSpeed ops not built (see above): training falls back to torch.distributed collectives; ZeRO-Offload needs cpu_adam" >&2
-  fi
-fi
 if [ "${LIGHTNING_GAUDI_DS_SKIP_OP_BUILD:-0}" != "1" ]; then
+  if ! ops_built; then
+    # ccache: torch puts it before the compiler where it is installed; its cache in the environment (always writable);
+    # the build folder is not part of a compile's key (-g records it, so by default it would be)
+    if env -u PYTHONDONTWRITEBYTECODE CCACHE_DIR="${CCACHE_DIR:-$(pwd)/$VENV/ccache}" CCACHE_NOHASHDIR=1 \
+         python -m lightning_gaudi_ds env --build-ops "${OPS[@]}"; then
+      echo "$made_from $ext" > "$VENV/.lgds-ops"
+    else
+      echo "setup.sh: DeepSpeed ops not built (see above): training falls back to torch.distributed collectives; ZeRO-Offload needs cpu_adam" >&2
+    fi
+  fi
   export LGDS_SET_UP="$(pwd)/$VENV"  # set up in full (the ops too): see the top
 fi
