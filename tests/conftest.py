@@ -1,8 +1,10 @@
 """Session-wide test settings."""
 
+import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 # With mpi4py installed, Lightning's MPIEnvironment.detect() initialises MPI in the test process itself; an
 # isolated singleton keeps Open MPI from starting a helper daemon (orted) that would outlive the test that made it.
@@ -76,6 +78,36 @@ def environ_as_it_was() -> Iterator[None]:
     foreign = sorted(changed - LIGHTNING_WRITES)
     if foreign:
         pytest.fail(f"the test changed os.environ: {', '.join(foreign)} (restored)")
+
+
+class _Kept(logging.Handler):
+    def __init__(self, level: int) -> None:
+        super().__init__(level)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextmanager
+def _captured(level: int | str, name: str = "lightning_gaudi_ds") -> Iterator[list[str]]:
+    logger = logging.getLogger(name)
+    handler, before = _Kept(logging._checkLevel(level)), logger.level  # type: ignore[attr-defined]
+    logger.addHandler(handler)
+    logger.setLevel(handler.level)
+    try:
+        yield handler.messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(before)
+
+
+@pytest.fixture
+def logs() -> Callable[..., AbstractContextManager[list[str]]]:
+    """``with logs("WARNING") as messages:`` keeps what the package's loggers emit at that level or above in the
+    block. In place of pytest's ``caplog``: the suite runs without pytest's logging plugin (pyproject.toml), which at
+    every phase of every test attaches its handlers to each of the thousands of loggers torch and transformers make."""
+    return _captured
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

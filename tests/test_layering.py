@@ -7,6 +7,7 @@ Also: every ``raise`` of the package raises a member of its error family."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import itertools
 from pathlib import Path
@@ -48,6 +49,12 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
+@functools.cache
+def _tree(name: str) -> ast.Module:
+    """Module ``name``'s syntax tree, parsed once for all the checks below."""
+    return ast.parse(MODULES[name].read_text())
+
+
 def _lazy_exports(package: str) -> dict[str, str]:
     """``name -> defining module`` of a package ``__init__`` that loads its names on first use."""
     module = importlib.import_module(package)
@@ -77,7 +84,7 @@ def _imports(name: str) -> set[str]:
     path = MODULES[name]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     targets: set[str] = set()
-    for node in _import_nodes(ast.parse(path.read_text())):
+    for node in _import_nodes(_tree(name)):
         if isinstance(node, ast.Import):
             targets.update(alias.name for alias in node.names)
             continue
@@ -189,7 +196,7 @@ def test_the_foundations_import_no_third_party_module() -> None:
 
     foundations = [name for name in MODULES if _layer(name) == 0]
     for name in foundations:
-        for node in _import_nodes(ast.parse(MODULES[name].read_text())):
+        for node in _import_nodes(_tree(name)):
             modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             for module in modules:
                 top = module.split(".")[0]
@@ -207,7 +214,7 @@ def test_every_raise_is_of_the_error_family(name: str) -> None:
     from lightning_gaudi_ds import errors
 
     wrong = []
-    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+    for node in ast.walk(_tree(name)):
         if not isinstance(node, ast.Raise) or node.exc is None:
             continue  # a bare `raise` re-raises what was caught
         call = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
