@@ -130,7 +130,7 @@ def test_convert_to_hf_of_k2_checkpoint_equals_k1_weights(two: list[dict[str, An
     folder = _checkpoint_folder(two)
     out = tmp_path / "hf"
     cli = run_job([sys.executable, "-m", "lightning_gaudi_ds", "convert", str(folder / "k2.ckpt"), str(out),
-                   "--to", "hf"], 180).check()
+                   "--to", "hf"], 180, warm=True).check()  # a command line tool: warm, as the other convert tests
     assert "wrote" in cli.output, cli.output[-2000:]
     exported = load_file(out / "model.safetensors")
     reference = torch.load(folder / "k1_weights.pt")  # the K = 1 run's weights, by the LightningModule's names
