@@ -18,7 +18,11 @@ run_dir = os.environ.get("LIGHTNING_GAUDI_DS_RUN_DIR")
 modes = {}
 if run_dir:
     for path in [Path(run_dir), *Path(run_dir).iterdir()]:
-        modes[path.name if path != Path(run_dir) else "."] = stat.S_IMODE(path.stat().st_mode)
+        try:
+            mode = path.stat().st_mode
+        except FileNotFoundError:  # another rank's record (rankN.tmp), renamed into place between listing and stat
+            continue
+        modes[path.name if path != Path(run_dir) else "."] = stat.S_IMODE(mode)
 record = {"rank": rank, "host": socket.gethostname(), "args": args, "env": {k: os.environ.get(k) for k in KEYS},
           "modes": modes, "world_size": os.environ.get("WORLD_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE"),
           "slurm": sorted(k for k in os.environ if k.startswith("SLURM_"))}
