@@ -1,10 +1,11 @@
 """Session-wide test settings."""
 
-import logging
 import os
 import sys
+import unittest
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
+from typing import Any
 
 # With mpi4py installed, Lightning's MPIEnvironment.detect() initialises MPI in the test process itself; an
 # isolated singleton keeps Open MPI from starting a helper daemon (orted) that would outlive the test that made it.
@@ -80,34 +81,14 @@ def environ_as_it_was() -> Iterator[None]:
         pytest.fail(f"the test changed os.environ: {', '.join(foreign)} (restored)")
 
 
-class _Kept(logging.Handler):
-    def __init__(self, level: int) -> None:
-        super().__init__(level)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-@contextmanager
-def _captured(level: int | str, name: str = "lightning_gaudi_ds") -> Iterator[list[str]]:
-    logger = logging.getLogger(name)
-    handler, before = _Kept(logging._checkLevel(level)), logger.level  # type: ignore[attr-defined]
-    logger.addHandler(handler)
-    logger.setLevel(handler.level)
-    try:
-        yield handler.messages
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(before)
-
-
 @pytest.fixture
-def logs() -> Callable[..., AbstractContextManager[list[str]]]:
-    """``with logs("WARNING") as messages:`` keeps what the package's loggers emit at that level or above in the
-    block. In place of pytest's ``caplog``: the suite runs without pytest's logging plugin (pyproject.toml), which at
-    every phase of every test attaches its handlers to each of the thousands of loggers torch and transformers make."""
-    return _captured
+def logs() -> Callable[..., AbstractContextManager[Any]]:
+    """``with logs(level, logger) as seen:`` (logger: the package's by default) fails unless that logger emits at
+    ``level`` or above in the block; ``seen.output`` holds the lines: the standard library's ``assertLogs``. In place
+    of pytest's ``caplog``: the suite runs without pytest's logging plugin (pyproject.toml), which at every phase of
+    every test attaches its handlers to each of the thousands of loggers torch and transformers make."""
+    check = unittest.TestCase()
+    return lambda level, logger="lightning_gaudi_ds": check.assertLogs(logger, level)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -185,9 +185,9 @@ def test_a_save_the_engine_wrote_nothing_for_commits_nothing_and_keeps_the_last(
     ckpt.commit_save(ckpt.partial_path(final), final, zero_stage=2, world_size=2)
     staging = ckpt.prepare_save(final)
     staging.mkdir()  # the engine (a stand-in) wrote no file
-    with logs("WARNING") as messages:
+    with logs("WARNING") as seen:
         ckpt.commit_save(staging, final, zero_stage=2, world_size=2)
-    assert any("wrote nothing into" in m for m in messages) and not staging.exists()
+    assert any("wrote nothing into" in m for m in seen.output) and not staging.exists()
     assert (final / "checkpoint" / "marker").read_text() == "kept" and ckpt.validate_checkpoint(final).has_manifest
     ckpt.commit_save(ckpt.partial_path(tmp_path / "new.ckpt"), tmp_path / "new.ckpt", zero_stage=2, world_size=2)
     assert not (tmp_path / "new.ckpt").exists()  # no staging folder at all: nothing made up

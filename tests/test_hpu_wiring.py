@@ -423,9 +423,9 @@ def test_eager_by_default_compiles_the_engine_with_the_accelerator_backend(gaudi
     assert build_engine(strategy, monkeypatch).compiled_with == "hpu_backend"
     strategy._lightning_module = Tiny()
     strategy._lightning_module.trainer = trainer
-    with logs(logging.INFO, "lightning.pytorch") as messages:  # rank_zero_info, Lightning's logger
+    with logs(logging.INFO, "lightning.pytorch") as seen:  # rank_zero_info, Lightning's logger
         setup_environment_only(strategy, monkeypatch)
-    assert any("HPU execution mode: eager" in m and "hpu_backend" in m for m in messages), messages
+    assert any("HPU execution mode: eager" in m and "hpu_backend" in m for m in seen.output), seen.output
 
 
 def test_compile_can_be_turned_off(gaudi, monkeypatch):
