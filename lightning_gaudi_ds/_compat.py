@@ -453,6 +453,70 @@ def zero3_param_coordinator(offload: Any, training: bool = True) -> Any:
     return offload.get_param_coordinator()
 
 
+@functools.cache
+def zero3_gather_waits_for_last_only() -> bool:
+    """Whether this DeepSpeed's blocking ZeRO-3 gather of several parameters (``Init._allgather_params_coalesced``,
+    behind ``GatheredParameters``, transformers' ZeRO-3 loading and DeepSpeed's 16-bit state dict) waits for the last
+    of its async all-gathers only: upstream before deepspeedai/DeepSpeed#8539 (0.16.1, Habana's fork 1.20/1.21).
+
+    On CUDA and HPU that is enough (one stream runs them in order). gloo runs each on its own worker thread: the
+    others may still be writing when the caller reads or writes the gathered weights (uninitialized memory, or a
+    rank 0 load that the end of a gather overwrites, then broadcast to every rank). Without the source, assume so.
+    """
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    try:
+        source = inspect.getsource(Init._allgather_params_coalesced)
+    except (OSError, TypeError):
+        return True
+    return re.search(r"launch_handles\[-1\]\.wait\(\)", source) is not None
+
+
+def complete_zero3_gathers(module: Any | None = None) -> int:
+    """Make the ZeRO-3 partitioners behind ``module``'s parameters (None: the active ``zero.Init``) wait for every
+    all-gather of a blocking multi-parameter gather on gloo, where this DeepSpeed waits for the last only
+    (:func:`zero3_gather_waits_for_last_only`); returns how many partitioners changed.
+
+    Each partitioner (a ``zero.Init``, found as the ``self`` of a parameter's ``all_gather`` closure, or as
+    DeepSpeed's ``top_level_context``) gets an instance attribute that runs its own gather and then a barrier on
+    each group it used: gloo's barrier completes all of the group's earlier work first. Only those objects change;
+    another ``zero.Init`` of the process, NCCL or HCCL groups, and a fixed DeepSpeed are left as they are.
+    """
+    if not zero3_gather_waits_for_last_only():
+        return 0
+    from deepspeed.runtime.zero import partition_parameters
+
+    if module is None:
+        partitioners = [partition_parameters.top_level_context]
+    else:
+        partitioners = []
+        for param in module.parameters():
+            gather = getattr(param, "all_gather", None)
+            code, cells = getattr(gather, "__code__", None), getattr(gather, "__closure__", None)
+            if code is not None and cells and "self" in code.co_freevars:
+                partitioners.append(cells[code.co_freevars.index("self")].cell_contents)
+    changed = 0
+    for partitioner in {id(p): p for p in partitioners if isinstance(p, partition_parameters.Init)}.values():
+        if "_allgather_params_coalesced" not in vars(partitioner):
+            partitioner._allgather_params_coalesced = functools.partial(
+                _gather_then_wait, partitioner, partitioner._allgather_params_coalesced)
+            changed += 1
+    return changed
+
+
+def _gather_then_wait(partitioner: Any, gather: Callable[..., Any], param_list: list[Any], *args: Any,
+                      **kwargs: Any) -> Any:
+    import torch.distributed as dist
+
+    result = gather(param_list, *args, **kwargs)
+    if len(param_list) > 1 and partitioner.num_partitions > 1:
+        groups = {id(g): g for g in (partitioner.get_partition_dp_group(p) for p in param_list)}
+        for group in groups.values():
+            if dist.get_backend(group) == "gloo":
+                dist.barrier(group=group)
+    return result
+
+
 def _function_names(function: Any) -> set[str]:
     """A function's name and those of the functions its closure wraps (DeepSpeed's ``instrument_w_nvtx``)."""
     names = {getattr(function, "__name__", "")}

@@ -7,7 +7,8 @@ real (2 ranks on gloo, and 1 rank for world-size changes), four jobs in all, sha
   step-4 checkpoint; the same for bf16 on stage 2; one stage-3 run with top-k, "last" as a link, weights only.
 * ``job_1rank``: resumes (and validates) the 2-rank step-4 checkpoints on 1 rank; writes 1-rank step-4 ones.
 * ``job_killed``: rank 1 is SIGKILLed while it writes the second "last.ckpt".
-* ``job_back_to_2``: resumes (and validates) the 1-rank checkpoints on 2 ranks, and the killed run's "last.ckpt".
+* ``job_back_to_2``: resumes (and validates) the 1-rank checkpoints on 2 ranks, and the killed run's "last.ckpt";
+  after the ZeRO-3 validation, 20 rounds of writing and reading the weights through ``GatheredParameters``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tests.procs import JOBS, run_job
 
 STAGES = [1, 2, 3]
 K = 4  # steps per epoch; runs stop (and resume) after K and end after 2K
+GATHER_ROUNDS = 20  # ZeRO-3 GatheredParameters write-and-read rounds after a validation (ckpt_job's gather_rounds)
 
 
 # --------------------------------------------------------------------------------------- hand-made dirs
@@ -355,7 +357,8 @@ def job_back_to_2(tmp_path_factory, job_1rank, job_killed) -> dict[str, Any]:
     plan = [{"name": f"s{stage}-from-1", "stage": stage, "dir": str(root / f"s{stage}"),
              "ckpt_path": str(ckpt_of(job_1rank, f"s{stage}") / f"epoch=0-step={K}.ckpt")} for stage in STAGES]
     plan += [{"name": f"s{stage}-validate-from-1", "stage": stage, "dir": str(root / "unused"), "validate": True,
-              "ckpt_path": str(ckpt_of(job_1rank, f"s{stage}") / f"epoch=0-step={K}.ckpt")} for stage in STAGES]
+              "ckpt_path": str(ckpt_of(job_1rank, f"s{stage}") / f"epoch=0-step={K}.ckpt"),
+              "gather_rounds": GATHER_ROUNDS if stage == 3 else 0} for stage in STAGES]
     plan.append({"name": "after-kill", "stage": 2, "dir": str(root / "after-kill"),
                  "ckpt_path": str(job_killed["dir"] / "last.ckpt")})
     _, fits = run_plan(root / "out", 2, plan)
@@ -512,6 +515,17 @@ def test_world_size_change_for_evaluation_loads_the_weights(job_2ranks, job_1ran
     one_rank_weights = flat(job_1rank["fits"][f"s{stage}"][0]["end"]["outputs"])
     for rank in job_back_to_2["fits"][f"s{stage}-validate-from-1"]:
         assert flat(rank["validation_start"]["outputs"]) == pytest.approx(one_rank_weights, rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.multiprocess
+def test_zero3_gathered_parameters_hold_what_rank_0_wrote(job_back_to_2):
+    """ZeRO-3's ``GatheredParameters`` on gloo: what rank 0 writes inside reaches every rank, and a gather reads it
+    whole; in the evaluation engine and in a module built in ``configure_model`` (as transformers' ZeRO-3 loading
+    does). DeepSpeed 0.16.1 waits for the last all-gather of several only, so the others could still be writing
+    (2-8 of 20 rounds mismatched on each rank without the strategy's fix; the evaluation reshard above then
+    validated with weights that were neither the checkpoint's nor the initial ones)."""
+    for rank in job_back_to_2["fits"]["s3-validate-from-1"]:
+        assert rank["gather_check"] == {"rounds": GATHER_ROUNDS, "in_configure_model": 0, "in_the_engine": 0}
 
 
 @pytest.mark.multiprocess

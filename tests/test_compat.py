@@ -217,6 +217,23 @@ def test_zero3_top_module_reset_hook() -> None:
         assert hasattr(PartitionedParameterCoordinator, name), f"{DEEPSPEED} removed coordinator.{name}; {used_by}"
 
 
+def test_zero3_gather_wait_is_read_from_deepspeed() -> None:
+    """0.16.1 (and Habana's fork on it) waits for the last all-gather of a multi-parameter gather only; 0.19.8 waits
+    for each (deepspeedai/DeepSpeed#8539). The partitioner's names the fix reaches are still there."""
+    from deepspeed.runtime.zero import partition_parameters
+
+    used_by = "_compat.complete_zero3_gathers (every all-gather of a ZeRO-3 gather complete on gloo)"
+    release = version("deepspeed").split("+")[0]
+    if release in ("0.16.1", "0.19.8"):
+        assert _compat.zero3_gather_waits_for_last_only() is (release == "0.16.1"), f"{DEEPSPEED}: {used_by}"
+    for name in ("_allgather_params_coalesced", "get_partition_dp_group", "_convert_to_deepspeed_param"):
+        assert hasattr(partition_parameters.Init, name), f"{DEEPSPEED} removed zero.Init.{name}; {used_by}"
+    converter = inspect.getsource(partition_parameters.Init._convert_to_deepspeed_param)
+    assert re.search(r"def all_gather\(param_list=None.*\n.*\n.*\n.*\n\s*return self\._all_gather\(", converter), (
+        f"{DEEPSPEED}: a ZeRO-3 parameter's all_gather no longer calls its zero.Init's _all_gather; {used_by}")
+    assert "top_level_context" in vars(partition_parameters), f"{DEEPSPEED} removed top_level_context; {used_by}"
+
+
 def test_torch_lr_scheduler_step_marks() -> None:
     import torch
 

@@ -338,6 +338,7 @@ class DeepSpeedCore:
             )
         self._sequence.engine_ready(engine)  # sequence parallelism: ZeRO-3's gradient average
         _compat.reset_zero3_trace_at_outer_forward_only(engine)
+        _compat.complete_zero3_gathers(model)
         _compat.give_bf16_optimizer_zero_grad(ds_optimizer)
         self._runtime.compile_engine(engine)
         return engine, ds_optimizer, ds_scheduler
@@ -355,6 +356,8 @@ class DeepSpeedCore:
                 # sequence parallelism: zero.Init given its groups as mpu
                 stack.enter_context(self._sequence.sharded_context(start, self.config, self.remote_device,
                                                                    enabled=self.zero_stage_3))
+            if self.zero_stage_3:  # gloo: transformers' ZeRO-3 loading gathers whole before rank 0 writes
+                _compat.complete_zero3_gathers()
             return stack.pop_all()
 
     def _mark_leaf_modules(self, model: Module) -> None:

@@ -28,6 +28,7 @@ from lightning_gaudi_ds._classes import import_class
 from lightning_gaudi_ds._compat import (
     autotp_parse,
     autotp_policy_names,
+    complete_zero3_gathers,
     lm_head_allreduce,
     model_states_name,
     remove_module_hooks,
@@ -509,6 +510,7 @@ def init_zero_engine(model: Module, config: Mapping[str, Any], args: Any, *, zer
             dist_init_required=False,
         )
     reset_zero3_trace_at_outer_forward_only(engine)
+    complete_zero3_gathers(model)
     return engine
 
 

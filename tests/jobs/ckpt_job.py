@@ -16,6 +16,9 @@ the exception (type and message) instead of raising it, and the job goes on with
 is still ``epoch_steps`` optimizer steps),
 ``resume_data_position`` is the strategy's, and ``iterable: true`` feeds the data as an ``IterableDataset``.
 
+``gather_rounds: N`` writes and reads the weights through ZeRO-3's ``GatheredParameters`` N times after a
+validation and records the parameters that did not hold what rank 0 wrote.
+
 ``kill_at_save: N`` SIGKILLs rank ``kill_rank`` during its N-th checkpoint save of that fit, after the
 model-state file and before its ZeRO optimizer shard is written: a deterministic half-written checkpoint.
 
@@ -49,13 +52,38 @@ from lightning_gaudi_ds import HPUDeepSpeedStrategy
 BATCH = 16
 
 
+def gather_mismatches(module: torch.nn.Module, rounds: int) -> int:
+    """ZeRO-3's ``GatheredParameters`` ``rounds`` times: rank 0 writes a value per parameter and round (every rank
+    gets it on exit), then every rank gathers again and counts the parameters not holding it. A gather that returns
+    before its all-gathers end (DeepSpeed 0.16.1 on gloo) shows as mismatches."""
+    import deepspeed
+    import torch.distributed as dist
+
+    params, mismatches = list(module.parameters()), 0
+    for round_ in range(rounds):
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
+            if dist.get_rank() == 0:
+                for i, param in enumerate(params):
+                    param.fill_(round_ + i / 100)
+        with deepspeed.zero.GatheredParameters(params):
+            mismatches += sum(not bool((p == round_ + i / 100).all()) for i, p in enumerate(params))
+    return mismatches
+
+
 class CkptModel(RegressionModel):
     """The jobs' model with AdamW and a per-step ExponentialLR, recording every global step's loss, learning
     rate and epoch, and logging ``train_loss`` for ``ModelCheckpoint(monitor=...)``."""
 
-    def __init__(self) -> None:
+    def __init__(self, gather_rounds: int = 0) -> None:
         super().__init__(optimizer="adamw_exp", lr=0.01)
         self.records: dict[int, dict[str, Any]] = {}
+        self.gather_rounds, self.mismatches_in_configure_model = gather_rounds, -1
+
+    def configure_model(self) -> None:
+        if self.gather_rounds:  # a module built here under ZeRO-3's zero.Init and written on rank 0, as transformers'
+            # ZeRO-3 loading in from_pretrained does; not kept
+            scratch = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+            self.mismatches_in_configure_model = gather_mismatches(scratch, self.gather_rounds)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -92,8 +120,9 @@ def optimizer_fingerprint(trainer: L.Trainer) -> dict[str, float]:
 
 
 class Recorder(L.Callback):
-    def __init__(self, kill_at_save: int = 0, kill_rank: int = -1) -> None:
+    def __init__(self, kill_at_save: int = 0, kill_rank: int = -1, gather_rounds: int = 0) -> None:
         self.kill_at_save, self.kill_rank, self.saves = kill_at_save, kill_rank, 0
+        self.gather_rounds = gather_rounds
         self.info: dict[str, Any] = {}
 
     def _outputs(self, pl_module: L.LightningModule) -> list[list[float]]:
@@ -136,6 +165,12 @@ class Recorder(L.Callback):
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.info.setdefault("validation_start", {"outputs": self._outputs(pl_module)})
 
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.gather_rounds:  # after validation: the rounds overwrite the weights
+            self.info["gather_check"] = {"rounds": self.gather_rounds,
+                                         "in_configure_model": pl_module.mismatches_in_configure_model,
+                                         "in_the_engine": gather_mismatches(pl_module, self.gather_rounds)}
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.info["end"] = {
             "global_step": trainer.global_step, "epoch": trainer.current_epoch,
@@ -151,6 +186,7 @@ DEFAULTS: dict[str, Any] = {
     "load_weights_only": None, "expect_error": False,
     "sampler": None, "accumulate": 1, "resume_data_position": True, "iterable": False,
     "hpz": False, "zero": None, "wire": None,  # ZeRO++ hpZ, zero_optimization keys, a window for link counters
+    "gather_rounds": 0,  # after validation, that many ZeRO-3 GatheredParameters write-and-read rounds
 }
 
 
@@ -199,7 +235,7 @@ def fit(spec: dict[str, Any], devices: int, pg_timeout: float, num_nodes: int = 
             return {"error": type(err).__name__, "bases": [c.__name__ for c in type(err).__mro__],
                     "message": str(err)}
     L.seed_everything(42, workers=True)
-    model = CkptModel()
+    model = CkptModel(spec["gather_rounds"])
     data = make_data(n=spec["epoch_steps"] * spec["accumulate"] * BATCH * 2)  # `epoch_steps` steps of one global batch
     ckpt_dir = Path(spec["dir"])
     checkpoint = ModelCheckpoint(
@@ -207,7 +243,7 @@ def fit(spec: dict[str, Any], devices: int, pg_timeout: float, num_nodes: int = 
         save_top_k=spec["save_top_k"], monitor="train_loss" if spec["save_top_k"] > 0 else None,
         save_weights_only=spec["weights_only"],
     )
-    recorder = Recorder(spec["kill_at_save"], spec["kill_rank"])
+    recorder = Recorder(spec["kill_at_save"], spec["kill_rank"], spec["gather_rounds"])
     serving = {"tensor_parallel": {"tp_size": devices}} if spec["predict"] else {
         "stage": spec["stage"], "resume_data_position": spec["resume_data_position"]}
     if spec["hpz"]:
