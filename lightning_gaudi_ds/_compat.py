@@ -1080,14 +1080,16 @@ def restart_train_iterator(trainer: pl.Trainer) -> None:
 
 # ------------------------------------------------------------------------------------------------ ZeRO++
 @contextlib.contextmanager
-def zero_param_intra_group(size: int) -> Iterator[None]:
+def zero_param_intra_group(size: int, zero_init: bool = False) -> Iterator[None]:
     """DeepSpeed's process-wide hpZ group (``deepspeed.utils.groups._ZERO_PARAM_INTRA_PARALLEL_GROUP``, 0.16.1 and
     0.19.8) made right for one call that builds a ZeRO-3 engine or enters ``zero.Init`` with
     ``zero_hpz_partition_size=size``. DeepSpeed creates that group once per process and then hands it to every later
     ZeRO-3 engine: a second hpZ ``zero.Init`` in the process asserts "already initialized", and a plain ZeRO-3 engine
     after an hpZ one silently runs hpZ. Here a plain engine (``size`` 1) sees no group, an hpZ one reuses the group
     of its size (DeepSpeed creates it where there is none, or one of another size), and the group stays for the
-    next hpZ engine."""
+    next hpZ engine. An hpZ ``zero.Init`` (``zero_init``) always creates its group (it takes no existing one), so it
+    sees none; the engine built from its model then reuses that new group. The previous group is left to the
+    models that hold it."""
     import torch.distributed as dist
     from deepspeed.utils import groups
 
@@ -1098,7 +1100,7 @@ def zero_param_intra_group(size: int) -> Iterator[None]:
             current_size = dist.get_world_size(group=current)
         except (RuntimeError, ValueError):  # its process group was destroyed: DeepSpeed may make a new one
             current, current_size = None, 0
-        setattr(groups, name, current if size > 1 and current_size == size else None)
+        setattr(groups, name, current if size > 1 and current_size == size and not zero_init else None)
     try:
         yield
     finally:

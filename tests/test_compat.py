@@ -874,7 +874,7 @@ def test_zero_param_intra_group_gives_each_engine_its_group(monkeypatch: pytest.
     import torch.distributed as dist
     from deepspeed.utils import groups
 
-    sizes = {"g2": 2, "g4": 4}
+    sizes = {"g2": 2, "g4": 4, "g4b": 4}
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: sizes[group])
     monkeypatch.setattr(groups, "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "g2")
     with _compat.zero_param_intra_group(1):
@@ -886,6 +886,10 @@ def test_zero_param_intra_group_gives_each_engine_its_group(monkeypatch: pytest.
         assert groups._ZERO_PARAM_INTRA_PARALLEL_GROUP is None  # DeepSpeed makes one of size 4
         groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = "g4"
     assert groups._ZERO_PARAM_INTRA_PARALLEL_GROUP == "g4"
+    with _compat.zero_param_intra_group(4, zero_init=True):  # zero.Init asserts there is none, and makes one
+        assert groups._ZERO_PARAM_INTRA_PARALLEL_GROUP is None
+        groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = "g4b"
+    assert groups._ZERO_PARAM_INTRA_PARALLEL_GROUP == "g4b"
 
 
 def test_quantized_collectives_need_the_quantizer_op_of_the_devices_accelerator() -> None:

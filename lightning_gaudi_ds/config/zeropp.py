@@ -135,13 +135,13 @@ def partition_size(config: Mapping[str, Any] | None) -> int:
 
 
 @contextmanager
-def engine_group(config: Mapping[str, Any] | None) -> Iterator[None]:
-    """Around ``zero.Init`` and ``deepspeed.initialize``: DeepSpeed's process-wide hpZ group made this config's
-    (:func:`lightning_gaudi_ds._compat.zero_param_intra_group`), so that several engines in one process (fit then
-    test, a resume in the same process) each get theirs."""
+def engine_group(config: Mapping[str, Any] | None, zero_init: bool = False) -> Iterator[None]:
+    """Around ``zero.Init`` (``zero_init``) and ``deepspeed.initialize``: DeepSpeed's process-wide hpZ group made this
+    config's (:func:`lightning_gaudi_ds._compat.zero_param_intra_group`), so that several engines in one process (fit
+    then test, a resume in the same process, each building its model in ``configure_model``) each get theirs."""
     stage = get(config, f"{ZERO}.stage") if isinstance(config, Mapping) else MISSING
     if stage != 3:
         yield
         return
-    with zero_param_intra_group(partition_size(config)):
+    with zero_param_intra_group(partition_size(config), zero_init):
         yield

@@ -352,7 +352,7 @@ class DeepSpeedCore:
             stack.enter_context(hf.loading_errors_named())
             config = self.config if self.zero_stage_3 else None
             stack.enter_context(hf.zero3_loading(config))
-            with zeropp.engine_group(config):  # ZeRO++ hpZ: DeepSpeed's process-wide group made this config's
+            with zeropp.engine_group(config, zero_init=True):  # ZeRO++ hpZ: a new group for this zero.Init
                 # sequence parallelism: zero.Init given its groups as mpu
                 stack.enter_context(self._sequence.sharded_context(start, self.config, self.remote_device,
                                                                    enabled=self.zero_stage_3))

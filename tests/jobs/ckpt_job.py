@@ -80,6 +80,8 @@ class CkptModel(RegressionModel):
         self.gather_rounds, self.mismatches_in_configure_model = gather_rounds, -1
 
     def configure_model(self) -> None:
+        # Overridden, so Lightning enters ZeRO-3's zero.Init around it in every fit, as for a model built here: with
+        # hpZ, each fit's zero.Init makes its own hpZ group (tests/multinode/test_hpz.py runs four in one process)
         if self.gather_rounds:  # a module built here under ZeRO-3's zero.Init and written on rank 0, as transformers'
             # ZeRO-3 loading in from_pretrained does; not kept
             scratch = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
