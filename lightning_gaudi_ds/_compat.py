@@ -473,14 +473,15 @@ def zero3_gather_waits_for_last_only() -> bool:
 
 
 def complete_zero3_gathers(module: Any | None = None) -> int:
-    """Make the ZeRO-3 partitioners behind ``module``'s parameters (None: the active ``zero.Init``) wait for every
+    """Make the ZeRO-3 partitioners behind ``module``'s parameters (None: the active top-level ``zero.Init``, which
+    converts every parameter built inside, the user's own where they nest the strategy's in it) wait for every
     all-gather of a blocking multi-parameter gather on gloo, where this DeepSpeed waits for the last only
     (:func:`zero3_gather_waits_for_last_only`); returns how many partitioners changed.
 
     Each partitioner (a ``zero.Init``, found as the ``self`` of a parameter's ``all_gather`` closure, or as
     DeepSpeed's ``top_level_context``) gets an instance attribute that runs its own gather and then a barrier on
     each group it used: gloo's barrier completes all of the group's earlier work first. Only those objects change;
-    another ``zero.Init`` of the process, NCCL or HCCL groups, and a fixed DeepSpeed are left as they are.
+    other ``zero.Init`` objects of the process, NCCL or HCCL groups, and a fixed DeepSpeed are left as they are.
     """
     if not zero3_gather_waits_for_last_only():
         return 0
