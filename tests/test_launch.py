@@ -443,6 +443,7 @@ def script(tmp_path: Path, name: str, body: str) -> Path:
 def test_shim_records_exit_and_output(tmp_path: Path) -> None:
     import json
     import subprocess
+    import time
 
     toy = script(tmp_path, "toy.py", "print('hello from', os.environ['RANK']); sys.exit(5)\n")
     run_dir = tmp_path / "run"
@@ -451,7 +452,12 @@ def test_shim_records_exit_and_output(tmp_path: Path) -> None:
     assert done.returncode == 5 and "hello from 3" in done.stdout
     record = json.loads((run_dir / "rank3.json").read_text())
     assert record["returncode"] == 5 and record["child_pid"] != record["pid"]
+    assert "failed_at" not in record and record["ended_at"] <= time.time()
     assert (run_dir / "rank3.log").read_text() == "hello from 3\n"
+    raises = script(tmp_path, "raises.py", "raise ValueError('x')\n")
+    done = subprocess.run([sys.executable, SHIM, str(raises)], env=env, capture_output=True, timeout=60)
+    record = json.loads((run_dir / "rank3.json").read_text())
+    assert done.returncode == 1 and record["returncode"] == 1 and record["failed_at"] <= record["ended_at"] + 2.0
 
 
 @pytest.mark.parametrize("key", MPI_RANK_KEYS)
@@ -462,6 +468,94 @@ def test_shim_runs_scripts_through_mpi4py_under_mpirun(monkeypatch: pytest.Monke
     monkeypatch.setenv(key, "1")  # Open MPI 4.1 sets OMPI_COMM_WORLD_RANK and PMIX_RANK, never PMIX_SIZE
     monkeypatch.setattr(rank_shim.importlib.util, "find_spec", lambda name: object())
     assert rank_shim.python_command(["t.py", "--a"]) == [sys.executable, "-u", "-m", "mpi4py", "t.py", "--a"]
+
+
+def _record(run_dir: Path, rank: int, **fields: object) -> None:
+    record = {"rank": rank, "pid": 1, "child_pid": 2, "host": "elsewhere", **fields}
+    (run_dir / f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def test_the_rank_whose_traceback_came_first_is_named_not_the_first_to_exit(tmp_path: Path) -> None:
+    """Rank 1 raised at t=100 and was still in its exit handlers (which end its process groups) when rank 0, failing
+    because of it, exited at t=101: the first traceback names the cause, whatever the order of the exits."""
+    from lightning_gaudi_ds.launch.supervise import _RankTable
+
+    table = _RankTable(tmp_path)
+    _record(tmp_path, 0, returncode=1, failed_at=100.5, ended_at=101.0)
+    _record(tmp_path, 1, failed_at=100.0)
+    assert table.first_failure().rank == 0 and table.raising_before(100.5) == [1]  # rank 1 still exiting
+    assert table.raising_before(100.0) == []
+    _record(tmp_path, 1, returncode=1, failed_at=100.0, ended_at=103.0)
+    failure = table.first_failure()
+    assert (failure.rank, failure.returncode, failure.at) == (1, 1, 100.0) and table.raising_before(101.0) == []
+    _record(tmp_path, 1, returncode=-15, failed_at=100.0, ended_at=101.5)  # ended by mpirun while exiting
+    failure = table.first_failure()
+    assert (failure.rank, failure.returncode) == (1, 1), failure  # an uncaught exception's code, not SIGTERM's
+    assert failure.how.startswith("raised (see its log), then was ended while exiting: exited with signal SIGTERM")
+    _record(tmp_path, 2, returncode=-9, ended_at=99.0)  # killed before anyone raised: it is the cause
+    failure = table.first_failure()
+    assert (failure.rank, failure.returncode) == (2, 137)
+
+
+def test_a_local_rank_that_raised_and_vanished_is_not_waited_for(tmp_path: Path) -> None:
+    from lightning_gaudi_ds.launch.supervise import _RankTable
+
+    table = _RankTable(tmp_path)
+    gone = _proc_that_ended()
+    _record(tmp_path, 0, returncode=1, ended_at=101.0)
+    _record(tmp_path, 1, failed_at=100.0, host=table.host, pid=gone)
+    failure = table.first_failure()
+    assert failure.rank == 1 and failure.at == 100.0 and "raised (see its log), then its process" in failure.how
+    assert table.raising_before(101.0) == []  # no exit status will come: nothing to wait for
+
+
+def _proc_that_ended() -> int:
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
+def test_the_supervisor_waits_for_a_rank_that_raised_first(tmp_path: Path) -> None:
+    import threading
+
+    from lightning_gaudi_ds.launch.supervise import Supervisor, _RankTable
+
+    _record(tmp_path, 0, returncode=1, ended_at=101.0)
+    _record(tmp_path, 1, failed_at=100.0)
+    later = threading.Timer(0.2, _record, (tmp_path, 1), {"returncode": 3, "failed_at": 100.0, "ended_at": 102.0})
+    later.start()
+    table = _RankTable(tmp_path)
+    failure = Supervisor(stop_timeout=30)._settle(table, table.first_failure())
+    later.join()
+    assert (failure.rank, failure.returncode) == (1, 3)
+    _record(tmp_path, 2, failed_at=99.0)  # never exits: the wait ends at stop_timeout, with the first exit named
+    assert Supervisor(stop_timeout=0.1)._settle(table, table.first_failure()).rank == 1
+
+
+def test_the_shim_sees_a_traceback_header_split_between_two_reads(tmp_path: Path,
+                                                                  capsysbinary: pytest.CaptureFixture) -> None:
+    import threading
+    import time
+
+    read_fd, write_fd = os.pipe()
+    seen: list[float] = []
+    log_path = tmp_path / "rank0.log"
+    with open(log_path, "wb") as log:
+        pump = threading.Thread(target=rank_shim._pump, args=(read_fd, log, lambda: seen.append(time.time())))
+        pump.start()
+        head, rest = rank_shim.TRACEBACK[:12], rank_shim.TRACEBACK[12:]
+        os.write(write_fd, b"step 1\n" + head)
+        deadline = time.monotonic() + 10
+        while not log_path.read_bytes().endswith(head) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the first part is read alone
+        assert not seen
+        os.write(write_fd, rest + b"\nValueError: x\n" + rank_shim.TRACEBACK)
+        os.close(write_fd)
+        pump.join(timeout=10)
+    assert len(seen) == 1  # once, at the first header
+    assert log_path.read_bytes().count(rank_shim.TRACEBACK) == 2
+    assert capsysbinary.readouterr().out == log_path.read_bytes()
 
 
 @pytest.mark.multiprocess

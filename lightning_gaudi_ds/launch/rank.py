@@ -3,8 +3,9 @@
 ``python path/to/launch/rank.py script.py args...`` (or ``-m module args...``; run by path so that no rank imports
 the package once more; ``python -m lightning_gaudi_ds.launch.rank`` works too) runs the script as a child, copies
 its output to this process's stdout and to ``<run dir>/rank<R>.log``, and records what happened to it in
-``<run dir>/rank<R>.json`` ("pid", "child_pid", "host", then "returncode"), so the runner learns which rank failed
-and how, whatever launcher sits in between. SIGTERM/SIGINT/SIGHUP are passed on to the script, and SIGKILL follows
+``<run dir>/rank<R>.json`` ("pid", "child_pid", "host"; "failed_at" when the script's first traceback shows; then
+"returncode" and "ended_at"), so the runner learns which rank failed first and how, whatever launcher sits in
+between. SIGTERM/SIGINT/SIGHUP are passed on to the script, and SIGKILL follows
 ``LIGHTNING_GAUDI_DS_STOP_TIMEOUT`` s later; the script gets SIGKILL if this shim dies. Without
 ``LIGHTNING_GAUDI_DS_RUN_DIR`` it becomes the script (the variables: :mod:`~lightning_gaudi_ds.launch.envvars`).
 ``rank.py --lgds-args-file F`` reads the script and its arguments from the JSON list in ``F`` (launches across
@@ -79,8 +80,15 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)  # the runner never reads a half-written record
 
 
-def _pump(src: int, log: Any) -> None:
+# The first line Python (and mpi4py) writes for an uncaught exception; the time it shows is when the rank began to
+# fail. A rank that raises still runs its exit handlers (which may end its process groups, so that its peers fail
+# too) before it exits: the order of exits alone can name a peer instead of the rank that raised.
+TRACEBACK = b"Traceback (most recent call last):"
+
+
+def _pump(src: int, log: Any, on_traceback: Any = None) -> None:
     out = sys.stdout.buffer
+    tail = b""  # the end of the previous chunk: a header split between two reads is still seen
     while True:
         try:
             chunk = os.read(src, 65536)
@@ -88,6 +96,10 @@ def _pump(src: int, log: Any) -> None:
             break
         if not chunk:
             break
+        if on_traceback is not None and TRACEBACK in tail + chunk:
+            on_traceback()
+            on_traceback = None
+        tail = chunk[-len(TRACEBACK):]
         try:
             log.write(chunk)
             log.flush()
@@ -172,7 +184,13 @@ def main(argv: list[str] | None = None) -> int:
             "rank": rank, "pid": os.getpid(), "child_pid": child.pid, "host": socket.gethostname(),
             "local_rank": os.environ.get("LOCAL_RANK"), "command": command,
         }
+        lock = threading.Lock()  # the pump's thread writes the record too
         _write_json(record_path, record)
+
+        def traceback_seen() -> None:
+            with lock:
+                record["failed_at"] = time.time()
+                _write_json(record_path, record)
 
         escalation: list[threading.Timer] = []
 
@@ -200,13 +218,15 @@ def main(argv: list[str] | None = None) -> int:
 
         if link is not None:
             _watch_supervisor(directory / HEARTBEAT_NAME, link, supervisor_lost)
-        pump = threading.Thread(target=_pump, args=(read_fd, log), daemon=True)
+        pump = threading.Thread(target=_pump, args=(read_fd, log, traceback_seen), daemon=True)
         pump.start()
         returncode = child.wait()
         # Processes the script started (Lightning's own launcher) may hold the pipe open: do not wait on them.
+        ended = time.time()
         pump.join(timeout=2.0)
-    record["returncode"] = returncode
-    _write_json(record_path, record)
+    with lock:
+        record.update(returncode=returncode, ended_at=ended)
+        _write_json(record_path, record)
     return exit_code(returncode)
 
 

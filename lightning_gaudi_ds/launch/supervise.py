@@ -52,6 +52,7 @@ class Failure:
     how: str
     log: Path | None
     hosts: tuple[str, ...] = ()
+    at: float = float("inf")  # when it began (the time of the rank's first traceback, or of its exit)
 
 
 @dataclass
@@ -143,6 +144,7 @@ class Supervisor:
                 return None, 128 + sig
             failure = ranks.first_failure()
             if failure is not None:
+                failure = self._settle(ranks, failure)
                 if failure.returncode == 128 + signal.SIGTERM and self.hosts is not None:
                     # Stopped, not the cause: mpirun ends its ranks so when it loses a host. Let it say so first.
                     try:
@@ -164,6 +166,15 @@ class Supervisor:
             if self.timeout is not None and time.monotonic() - start > self.timeout:
                 return Failure(None, 124, f"the job ran past timeout={self.timeout:g} s", None), 124
             time.sleep(0.1)
+
+    def _settle(self, ranks: _RankTable, failure: Failure) -> Failure:
+        """A rank that raised before ``failure`` may still be in its exit handlers, which can end its process groups
+        and make its peers fail first: give it up to ``stop_timeout`` s to record its exit, then name the first."""
+        deadline = time.monotonic() + self.stop_timeout
+        while ranks.raising_before(failure.at) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            failure = ranks.first_failure() or failure
+        return failure
 
     def _lost_host(self, ranks: _RankTable, relay: _Relay, run_dir: Path) -> Failure | None:
         """A host the launcher lost: named by pdsh, or (mpirun, which does not name it) the other hosts whose ranks
@@ -274,7 +285,22 @@ class _RankTable:
         return (f"; {self.describe_hosts(hosts, lost)} gave no exit status: unreachable (a lost node or link) or"
                 " killed")
 
+    @staticmethod
+    def _began(record: dict[str, Any], path: Path) -> float:
+        """When a rank that exited began to fail: its first traceback, else its exit (the record's own time, else the
+        file's, from a shim of before these fields)."""
+        times = [float(record[key]) for key in ("failed_at", "ended_at") if isinstance(record.get(key), (int, float))]
+        return min(times) if times else path.stat().st_mtime
+
+    def raising_before(self, when: float) -> list[int]:
+        """Ranks that showed a traceback before ``when`` and have not recorded their exit yet."""
+        return [rank for rank, record in self.records().items()
+                if "returncode" not in record and isinstance(record.get("failed_at"), (int, float))
+                and float(record["failed_at"]) < when
+                and (record.get("host") != self.host or _alive(self.procs.get(rank)))]
+
     def first_failure(self) -> Failure | None:
+        """The failed rank that began to fail first (see :meth:`_began`), or a local rank that vanished."""
         failures = []
         for path in self.run_dir.glob("rank*.json"):
             try:
@@ -286,9 +312,13 @@ class _RankTable:
             if "returncode" in record:
                 code = int(record["returncode"])
                 if code != 0:
-                    failures.append((path.stat().st_mtime, Failure(rank, exit_code(code),
-                                     f"exited with {describe_exit(code)} (pid {record['child_pid']} on"
-                                     f" {record['host']})", log, (str(record["host"]),))))
+                    began = self._began(record, path)
+                    how = f"exited with {describe_exit(code)} (pid {record['child_pid']} on {record['host']})"
+                    if code < 0 and "failed_at" in record:
+                        # It raised, and a launcher ended it while it ran its exit handlers: Python's exit code
+                        # for an uncaught exception, not the signal's, says what happened.
+                        code, how = 1, f"raised (see its log), then was ended while exiting: {how}"
+                    failures.append((began, Failure(rank, exit_code(code), how, log, (str(record["host"]),), began)))
                 continue
             if rank not in self.procs and record.get("host") == self.host:
                 try:
@@ -299,9 +329,12 @@ class _RankTable:
                 continue  # another host's process: its shim records its exit, or the launcher reports the host
             proc = self.procs[rank]
             if not _alive(proc) and "returncode" not in json.loads(path.read_text()):
-                failures.append((time.time(), Failure(rank, 128 + signal.SIGKILL,
-                                 f"its process (pid {record['pid']}) vanished without an exit status: killed", log,
-                                 (self.host,))))
+                raised = record.get("failed_at")
+                began = float(raised) if isinstance(raised, (int, float)) else time.time()
+                failures.append((began, Failure(rank, 128 + signal.SIGKILL,
+                                 f"{'it raised (see its log), then ' if raised else ''}its process (pid"
+                                 f" {record['pid']}) vanished without an exit status: killed", log, (self.host,),
+                                 began)))
         if not failures:
             return None
         return min(failures, key=lambda item: item[0])[1]
