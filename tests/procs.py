@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -31,9 +33,30 @@ class JobResult:
     timed_out: bool
 
     def check(self) -> "JobResult":
-        assert not self.timed_out, f"job timed out after {self.seconds:.0f}s; output tail:\n{self.output[-4000:]}"
-        assert self.returncode == 0, f"job failed (rc={self.returncode}); output tail:\n{self.output[-4000:]}"
+        assert not self.timed_out, f"job timed out after {self.seconds:.0f}s; {self.report()}"
+        assert self.returncode == 0, f"job failed (rc={self.returncode}); {self.report()}"
         return self
+
+    def report(self, tail: int = 4000) -> str:
+        """The output's tail, every traceback in the whole output (the ranks' outputs interleave, so the tail can
+        hold one rank's only), and where the whole output was saved."""
+        fd, path = tempfile.mkstemp(prefix="lgds-failed-job-", suffix=".log")
+        with os.fdopen(fd, "w") as f:
+            f.write(self.output)
+        blocks = _tracebacks(self.output[:-tail] if len(self.output) > tail else "")
+        shown = "".join(f"\n--- a traceback before the tail ---\n{block}" for block in blocks[:4])
+        return f"whole output in {path}; output tail:\n{self.output[-tail:]}{shown}"
+
+
+def _tracebacks(text: str, limit: int = 3000) -> list[str]:
+    """Each ``Traceback ...`` block of ``text`` up to its exception line (at most ``limit`` characters each)."""
+    blocks, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if "Traceback (most recent call last):" in line:
+            end = next((j for j in range(i + 1, min(len(lines), i + 200))
+                        if re.match(r"^(\[rank\d+\]: )?\w[\w.]*(Error|Exception|Interrupt|Exit)\b", lines[j])), i + 40)
+            blocks.append("\n".join(lines[i:end + 1])[-limit:])
+    return blocks
 
 
 def job_env(extra: Optional[Mapping[str, Optional[str]]] = None) -> dict[str, str]:

@@ -82,3 +82,18 @@ def test_workers_make_each_shared_fixture_once_and_start_with_the_multinode_tier
     assert len(set(worker.values())) == 2  # both workers ran tests
     first = min((r for r in rows if r["worker"] == worker["multinode"]), key=lambda r: r["at"])
     assert first["name"] == "hosts", rows  # the multi-node group was its worker's first work, not its last
+
+
+def test_a_failed_jobs_message_shows_every_ranks_traceback_and_keeps_the_whole_output() -> None:
+    """Two ranks' outputs interleave: rank 1's traceback can lie before a tail that is all rank 0's."""
+    from tests.procs import JobResult
+
+    output = ("[rank1]: Traceback (most recent call last):\n[rank1]:   File \"job.py\", line 3\n"
+              "[rank1]: RuntimeError: the cause\n" + "[rank0]: waiting\n" * 400)
+    with pytest.raises(AssertionError) as failed:
+        JobResult(1, output, 2.0, False).check()
+    message = str(failed.value)
+    assert "a traceback before the tail ---\n[rank1]: Traceback" in message and "RuntimeError: the cause" in message
+    saved = Path(message.split("whole output in ", 1)[1].split(";", 1)[0])
+    assert saved.read_text() == output
+    saved.unlink()
