@@ -41,6 +41,9 @@ from lightning_gaudi_ds.launch._proc import (
 from lightning_gaudi_ds.launch.hostfile import Host
 from lightning_gaudi_ds.launch.plan import RUN_ID_ENV, SHIM
 
+# How a rank is described that raised and was then ended by a signal (its launcher stopping the job) while exiting.
+_ENDED_WHILE_EXITING = "raised (see its log), then was ended while exiting"
+
 
 @dataclass
 class Failure:
@@ -145,7 +148,8 @@ class Supervisor:
             failure = ranks.first_failure()
             if failure is not None:
                 failure = self._settle(ranks, failure)
-                if failure.returncode == 128 + signal.SIGTERM and self.hosts is not None:
+                if (failure.returncode == 128 + signal.SIGTERM or failure.how.startswith(_ENDED_WHILE_EXITING)) \
+                        and self.hosts is not None:
                     # Stopped, not the cause: mpirun ends its ranks so when it loses a host. Let it say so first.
                     try:
                         launcher.wait(timeout=5)
@@ -317,7 +321,7 @@ class _RankTable:
                     if code < 0 and "failed_at" in record:
                         # It raised, and a launcher ended it while it ran its exit handlers: Python's exit code
                         # for an uncaught exception, not the signal's, says what happened.
-                        code, how = 1, f"raised (see its log), then was ended while exiting: {how}"
+                        code, how = 1, f"{_ENDED_WHILE_EXITING}: {how}"
                     failures.append((began, Failure(rank, exit_code(code), how, log, (str(record["host"]),), began)))
                 continue
             if rank not in self.procs and record.get("host") == self.host:
