@@ -9,6 +9,7 @@ import os
 import socket
 import stat
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -458,6 +459,7 @@ def test_shim_records_exit_and_output(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, SHIM, str(raises)], env=env, capture_output=True, timeout=60)
     record = json.loads((run_dir / "rank3.json").read_text())
     assert done.returncode == 1 and record["returncode"] == 1 and record["failed_at"] <= record["ended_at"] + 2.0
+    assert abs(record["clock_offset"]) < 1.0  # one host: the run directory's clock is this one
 
 
 @pytest.mark.parametrize("key", MPI_RANK_KEYS)
@@ -472,41 +474,80 @@ def test_shim_runs_scripts_through_mpi4py_under_mpirun(monkeypatch: pytest.Monke
 
 def _record(run_dir: Path, rank: int, **fields: object) -> None:
     record = {"rank": rank, "pid": 1, "child_pid": 2, "host": "elsewhere", **fields}
-    (run_dir / f"rank{rank}.json").write_text(json.dumps(record))
+    rank_shim._write_json(run_dir / f"rank{rank}.json", record)  # as the shim writes it: never half-written
 
 
 def test_the_rank_whose_traceback_came_first_is_named_not_the_first_to_exit(tmp_path: Path) -> None:
-    """Rank 1 raised at t=100 and was still in its exit handlers (which end its process groups) when rank 0, failing
-    because of it, exited at t=101: the first traceback names the cause, whatever the order of the exits."""
+    """Rank 1 raised at t and was still in its exit handlers (which end its process groups) when rank 0, failing
+    because of it, exited at t+1: the first traceback names the cause, whatever the order of the exits."""
     from lightning_gaudi_ds.launch.supervise import _RankTable
 
+    t = time.time() - 5
     table = _RankTable(tmp_path)
-    _record(tmp_path, 0, returncode=1, failed_at=100.5, ended_at=101.0)
-    _record(tmp_path, 1, failed_at=100.0)
-    assert table.first_failure().rank == 0 and table.raising_before(100.5) == [1]  # rank 1 still exiting
-    assert table.raising_before(100.0) == []
-    _record(tmp_path, 1, returncode=1, failed_at=100.0, ended_at=103.0)
+    _record(tmp_path, 0, returncode=1, failed_at=t + 0.5, ended_at=t + 1.0)
+    _record(tmp_path, 1, failed_at=t)
+    assert table.first_failure().rank == 0 and table.raising(t + 0.5) == [(t, 1)]  # rank 1 still exiting
+    assert table.raising(t) == []
+    _record(tmp_path, 1, returncode=1, failed_at=t, ended_at=t + 3.0)
     failure = table.first_failure()
-    assert (failure.rank, failure.returncode, failure.at) == (1, 1, 100.0) and table.raising_before(101.0) == []
-    _record(tmp_path, 1, returncode=-15, failed_at=100.0, ended_at=101.5)  # ended by mpirun while exiting
+    assert (failure.rank, failure.returncode, failure.at) == (1, 1, t) and table.raising(t + 1) == []
+    _record(tmp_path, 1, returncode=-15, failed_at=t, ended_at=t + 1.5)  # ended by mpirun while exiting
     failure = table.first_failure()
     assert (failure.rank, failure.returncode) == (1, 1), failure  # an uncaught exception's code, not SIGTERM's
     assert failure.how.startswith("raised (see its log), then was ended while exiting: exited with signal SIGTERM")
-    _record(tmp_path, 2, returncode=-9, ended_at=99.0)  # killed before anyone raised: it is the cause
+    _record(tmp_path, 2, returncode=-9, ended_at=t - 1.0)  # killed before anyone raised: it is the cause
     failure = table.first_failure()
     assert (failure.rank, failure.returncode) == (2, 137)
+
+
+def test_a_traceback_the_rank_survived_does_not_make_it_the_cause(tmp_path: Path) -> None:
+    """Rank 0 logged a handled exception a minute before rank 1 died by a segfault, which ended rank 0 too: rank 1
+    is named, with its own signal (a crash, not a launcher's stop), and rank 0's old traceback is no exit code 1."""
+    from lightning_gaudi_ds.launch.supervise import _RankTable
+
+    t = time.time()
+    _record(tmp_path, 0, returncode=-15, failed_at=t - 60, ended_at=t + 0.5)
+    _record(tmp_path, 1, returncode=-11, failed_at=t - 0.2, ended_at=t)
+    failure = _RankTable(tmp_path).first_failure()
+    assert (failure.rank, failure.returncode) == (1, 128 + 11) and "signal SIGSEGV" in failure.how
+    _record(tmp_path, 1, returncode=0, ended_at=t)
+    failure = _RankTable(tmp_path).first_failure()
+    assert (failure.rank, failure.returncode) == (0, 143)  # only the exit counts
+    _record(tmp_path, 2, failed_at=t - 60)  # running, with an old traceback: not waited for
+    assert _RankTable(tmp_path).raising(t + 1) == []
+
+
+def test_ranks_on_hosts_with_different_clocks_compare_on_the_run_directorys(tmp_path: Path) -> None:
+    from lightning_gaudi_ds.launch.supervise import _RankTable
+
+    t = time.time()
+    _record(tmp_path, 0, returncode=1, failed_at=t + 1.0, ended_at=t + 1.5, clock_offset=0.0)
+    _record(tmp_path, 1, returncode=1, failed_at=t - 3.5, ended_at=t - 3.0, clock_offset=5.0)  # clock 5 s slow
+    assert _RankTable(tmp_path).first_failure().rank == 0
 
 
 def test_a_local_rank_that_raised_and_vanished_is_not_waited_for(tmp_path: Path) -> None:
     from lightning_gaudi_ds.launch.supervise import _RankTable
 
+    t = time.time() - 2
     table = _RankTable(tmp_path)
-    gone = _proc_that_ended()
-    _record(tmp_path, 0, returncode=1, ended_at=101.0)
-    _record(tmp_path, 1, failed_at=100.0, host=table.host, pid=gone)
+    _record(tmp_path, 0, returncode=1, ended_at=t + 1.0)
+    _record(tmp_path, 1, failed_at=t, host=table.host, pid=_proc_that_ended())
     failure = table.first_failure()
-    assert failure.rank == 1 and failure.at == 100.0 and "raised (see its log), then its process" in failure.how
-    assert table.raising_before(101.0) == []  # no exit status will come: nothing to wait for
+    assert failure.rank == 1 and failure.at == t and "raised (see its log), then its process" in failure.how
+    assert table.raising(t + 1) == []  # no exit status will come: nothing to wait for
+
+
+def test_a_vanished_rank_is_timed_from_when_it_was_first_seen_gone(tmp_path: Path) -> None:
+    from lightning_gaudi_ds.launch.supervise import _RankTable
+
+    table = _RankTable(tmp_path)
+    _record(tmp_path, 1, host=table.host, pid=_proc_that_ended())
+    first = table.first_failure()
+    time.sleep(0.05)
+    _record(tmp_path, 0, returncode=1, failed_at=time.time(), ended_at=time.time())  # its peer, failing after
+    again = table.first_failure()
+    assert again.rank == 1 and again.at == first.at
 
 
 def _proc_that_ended() -> int:
@@ -521,16 +562,19 @@ def test_the_supervisor_waits_for_a_rank_that_raised_first(tmp_path: Path) -> No
 
     from lightning_gaudi_ds.launch.supervise import Supervisor, _RankTable
 
-    _record(tmp_path, 0, returncode=1, ended_at=101.0)
-    _record(tmp_path, 1, failed_at=100.0)
-    later = threading.Timer(0.2, _record, (tmp_path, 1), {"returncode": 3, "failed_at": 100.0, "ended_at": 102.0})
+    t = time.time() - 5
+    _record(tmp_path, 0, returncode=1, ended_at=t + 1.0)
+    _record(tmp_path, 1, failed_at=t)
+    later = threading.Timer(0.2, _record, (tmp_path, 1), {"returncode": 3, "failed_at": t, "ended_at": t + 2.0})
     later.start()
     table = _RankTable(tmp_path)
     failure = Supervisor(stop_timeout=30)._settle(table, table.first_failure())
     later.join()
     assert (failure.rank, failure.returncode) == (1, 3)
-    _record(tmp_path, 2, failed_at=99.0)  # never exits: the wait ends at stop_timeout, with the first exit named
-    assert Supervisor(stop_timeout=0.1)._settle(table, table.first_failure()).rank == 1
+    _record(tmp_path, 2, failed_at=t - 1)  # never exits: at min(stop_timeout, 10) s it is named, still exiting
+    failure = Supervisor(stop_timeout=0.1)._settle(table, table.first_failure())
+    assert (failure.rank, failure.returncode, failure.at) == (2, 1, t - 1), failure
+    assert "raised (see its log), and was still exiting 0.1 s after rank 1 failed" in failure.how
 
 
 def test_the_shim_sees_a_traceback_header_split_between_two_reads(tmp_path: Path,

@@ -24,6 +24,10 @@ HEARTBEAT_NAME = "supervisor.alive"
 # A rank's exit code after SIGTERM (preemption) once it saved a checkpoint at a step boundary: sysexits.h's
 # EX_TEMPFAIL ("a temporary failure; try again"), apart from failures and from 143 (killed by SIGTERM unsaved).
 PREEMPTED_EXIT = 75
+# A traceback counts as the start of a rank's failure when the rank exits (or is still exiting) within this many
+# seconds of it; tracebacks closer together than this are one burst, timed from its first. An earlier one was handled
+# (logged and survived), and does not make the rank the cause of a later failure.
+FAILING_WINDOW_S = 30.0
 
 # How MPI launchers announce a process's global rank and the world size: Open MPI (OMPI_COMM_WORLD_*), MPICH and
 # Intel MPI (PMI_*), MVAPICH2 (MV2_*). A PMIx server (Open MPI 4+, Slurm's --mpi=pmix) exports PMIX_RANK but no

@@ -3,9 +3,9 @@
 ``python path/to/launch/rank.py script.py args...`` (or ``-m module args...``; run by path so that no rank imports
 the package once more; ``python -m lightning_gaudi_ds.launch.rank`` works too) runs the script as a child, copies
 its output to this process's stdout and to ``<run dir>/rank<R>.log``, and records what happened to it in
-``<run dir>/rank<R>.json`` ("pid", "child_pid", "host"; "failed_at" when the script's first traceback shows; then
-"returncode" and "ended_at"), so the runner learns which rank failed first and how, whatever launcher sits in
-between. SIGTERM/SIGINT/SIGHUP are passed on to the script, and SIGKILL follows
+``<run dir>/rank<R>.json`` ("pid", "child_pid", "host", "clock_offset"; "failed_at" when the script's latest burst
+of tracebacks began; then "returncode" and "ended_at"), so the runner learns which rank failed first and how,
+whatever launcher sits in between. SIGTERM/SIGINT/SIGHUP are passed on to the script, and SIGKILL follows
 ``LIGHTNING_GAUDI_DS_STOP_TIMEOUT`` s later; the script gets SIGKILL if this shim dies. Without
 ``LIGHTNING_GAUDI_DS_RUN_DIR`` it becomes the script (the variables: :mod:`~lightning_gaudi_ds.launch.envvars`).
 ``rank.py --lgds-args-file F`` reads the script and its arguments from the JSON list in ``F`` (launches across
@@ -30,6 +30,7 @@ if __package__:
     from lightning_gaudi_ds.launch import envvars
     from lightning_gaudi_ds.launch._proc import (
         ARGS_FILE_FLAG,
+        FAILING_WINDOW_S,
         HEARTBEAT_NAME,
         MPI_RANK_KEYS,
         exit_code,
@@ -40,6 +41,7 @@ else:  # run by path, as the launchers do: the sibling modules, without importin
     import envvars  # type: ignore[no-redef,import-not-found]
     from _proc import (  # type: ignore[no-redef,import-not-found]
         ARGS_FILE_FLAG,
+        FAILING_WINDOW_S,
         HEARTBEAT_NAME,
         MPI_RANK_KEYS,
         exit_code,
@@ -87,8 +89,9 @@ TRACEBACK = b"Traceback (most recent call last):"
 
 
 def _pump(src: int, log: Any, on_traceback: Any = None) -> None:
+    """Copy the script's output to the log and to stdout; call ``on_traceback()`` at each traceback header."""
     out = sys.stdout.buffer
-    tail = b""  # the end of the previous chunk: a header split between two reads is still seen
+    tail = b""  # the end of what came before: a header split between reads is still seen
     while True:
         try:
             chunk = os.read(src, 65536)
@@ -98,8 +101,7 @@ def _pump(src: int, log: Any, on_traceback: Any = None) -> None:
             break
         if on_traceback is not None and TRACEBACK in tail + chunk:
             on_traceback()
-            on_traceback = None
-        tail = chunk[-len(TRACEBACK):]
+        tail = (tail + chunk)[1 - len(TRACEBACK):]
         try:
             log.write(chunk)
             log.flush()
@@ -186,11 +188,18 @@ def main(argv: list[str] | None = None) -> int:
         }
         lock = threading.Lock()  # the pump's thread writes the record too
         _write_json(record_path, record)
+        # This host's clock against the run directory's (a shared file system's server): the supervisor compares
+        # times that ranks on several hosts record.
+        record["clock_offset"] = record_path.stat().st_mtime - time.time()
+        last_traceback = [-FAILING_WINDOW_S]
 
         def traceback_seen() -> None:
-            with lock:
-                record["failed_at"] = time.time()
-                _write_json(record_path, record)
+            now = time.time()
+            if now - last_traceback[0] > FAILING_WINDOW_S:  # a new burst: its first header is when it began
+                with lock:
+                    record["failed_at"] = now
+                    _write_json(record_path, record)
+            last_traceback[0] = now
 
         escalation: list[threading.Timer] = []
 

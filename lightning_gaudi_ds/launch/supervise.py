@@ -31,6 +31,7 @@ from typing import IO, Any, cast
 import psutil
 
 from lightning_gaudi_ds.launch._proc import (
+    FAILING_WINDOW_S,
     HEARTBEAT_NAME,
     PREEMPTED_EXIT,
     describe_exit,
@@ -43,6 +44,8 @@ from lightning_gaudi_ds.launch.plan import RUN_ID_ENV, SHIM
 
 # How a rank is described that raised and was then ended by a signal (its launcher stopping the job) while exiting.
 _ENDED_WHILE_EXITING = "raised (see its log), then was ended while exiting"
+# The signals with which launchers (and this supervisor) end ranks.
+_STOPPING_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL}
 
 
 @dataclass
@@ -173,9 +176,16 @@ class Supervisor:
 
     def _settle(self, ranks: _RankTable, failure: Failure) -> Failure:
         """A rank that raised before ``failure`` may still be in its exit handlers, which can end its process groups
-        and make its peers fail first: give it up to ``stop_timeout`` s to record its exit, then name the first."""
-        deadline = time.monotonic() + self.stop_timeout
-        while ranks.raising_before(failure.at) and time.monotonic() < deadline:
+        and make its peers fail first: give it up to ``min(stop_timeout, 10)`` s to record its exit, and name the
+        one that began first (still exiting, if it has not ended by then)."""
+        deadline = time.monotonic() + min(self.stop_timeout, 10.0)
+        while (waiting := ranks.raising(failure.at)) and self._stop_signal is None:
+            if time.monotonic() > deadline:
+                when, rank = waiting[0]
+                record = ranks.records().get(rank, {})
+                return Failure(rank, 1, f"raised (see its log), and was still exiting {min(self.stop_timeout, 10.0):g}"
+                               f" s after rank {failure.rank} failed ({record.get('host', '?')})",
+                               ranks.run_dir / f"rank{rank}.log", (str(record.get("host", "")),), when)
             time.sleep(0.1)
             failure = ranks.first_failure() or failure
         return failure
@@ -245,6 +255,7 @@ class _RankTable:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self.procs: dict[int, psutil.Process | None] = {}
+        self.vanished: dict[int, float] = {}  # a local rank whose process is gone unrecorded: when first seen so
         self.host = socket.gethostname()
 
     def records(self) -> dict[int, dict[str, Any]]:
@@ -290,21 +301,47 @@ class _RankTable:
                 " killed")
 
     @staticmethod
-    def _began(record: dict[str, Any], path: Path) -> float:
-        """When a rank that exited began to fail: its first traceback, else its exit (the record's own time, else the
-        file's, from a shim of before these fields)."""
-        times = [float(record[key]) for key in ("failed_at", "ended_at") if isinstance(record.get(key), (int, float))]
-        return min(times) if times else path.stat().st_mtime
+    def _raised_at(record: dict[str, Any], until: float) -> float | None:
+        """When the rank's last burst of tracebacks began, on its own clock, if it ended (or is still exiting, at
+        ``until``) within ``FAILING_WINDOW_S`` of it; None otherwise (no traceback, or one it survived)."""
+        raised = record.get("failed_at")
+        if isinstance(raised, (int, float)) and until - float(raised) <= FAILING_WINDOW_S:
+            return float(raised)
+        return None
 
-    def raising_before(self, when: float) -> list[int]:
-        """Ranks that showed a traceback before ``when`` and have not recorded their exit yet."""
-        return [rank for rank, record in self.records().items()
-                if "returncode" not in record and isinstance(record.get("failed_at"), (int, float))
-                and float(record["failed_at"]) < when
-                and (record.get("host") != self.host or _alive(self.procs.get(rank)))]
+    @staticmethod
+    def _offset(record: dict[str, Any]) -> float:
+        """The rank's host clock against the run directory's (see the shim), so that hosts' times compare."""
+        offset = record.get("clock_offset", 0.0)
+        return float(offset) if isinstance(offset, (int, float)) else 0.0
+
+    def _local(self, rank: int, record: dict[str, Any]) -> psutil.Process | None:
+        if rank not in self.procs:
+            try:
+                self.procs[rank] = psutil.Process(int(record["pid"]))
+            except psutil.NoSuchProcess:
+                self.procs[rank] = None
+        return self.procs[rank]
+
+    def raising(self, before: float) -> list[tuple[float, int]]:
+        """(when, rank) of the ranks whose traceback came before ``before`` and that have not recorded their exit
+        yet (a local one only while its shim lives), first first."""
+        found = []
+        for rank, record in self.records().items():
+            if "returncode" in record:
+                continue
+            offset = self._offset(record)
+            raised = self._raised_at(record, time.time() - offset)
+            if raised is None or raised + offset >= before:
+                continue
+            if record.get("host") != self.host or _alive(self._local(rank, record)):
+                found.append((raised + offset, rank))
+        return sorted(found)
 
     def first_failure(self) -> Failure | None:
-        """The failed rank that began to fail first (see :meth:`_began`), or a local rank that vanished."""
+        """The failed rank that began to fail first: at its last burst of tracebacks when it exited within
+        ``FAILING_WINDOW_S`` of it, else at its exit; or a local rank that vanished, from when it was first seen
+        gone."""
         failures = []
         for path in self.run_dir.glob("rank*.json"):
             try:
@@ -313,30 +350,30 @@ class _RankTable:
                 continue
             rank = int(record["rank"])
             log = self.run_dir / f"rank{rank}.log"
+            offset = self._offset(record)
             if "returncode" in record:
                 code = int(record["returncode"])
                 if code != 0:
-                    began = self._began(record, path)
+                    ended = record.get("ended_at")
+                    ended = float(ended) if isinstance(ended, (int, float)) else path.stat().st_mtime - offset
+                    raised = self._raised_at(record, ended)
+                    began = (ended if raised is None else min(raised, ended)) + offset
                     how = f"exited with {describe_exit(code)} (pid {record['child_pid']} on {record['host']})"
-                    if code < 0 and "failed_at" in record:
+                    if raised is not None and -code in _STOPPING_SIGNALS:
                         # It raised, and a launcher ended it while it ran its exit handlers: Python's exit code
                         # for an uncaught exception, not the signal's, says what happened.
                         code, how = 1, f"{_ENDED_WHILE_EXITING}: {how}"
                     failures.append((began, Failure(rank, exit_code(code), how, log, (str(record["host"]),), began)))
                 continue
-            if rank not in self.procs and record.get("host") == self.host:
-                try:
-                    self.procs[rank] = psutil.Process(int(record["pid"]))
-                except psutil.NoSuchProcess:
-                    self.procs[rank] = None
             if record.get("host") != self.host:
                 continue  # another host's process: its shim records its exit, or the launcher reports the host
-            proc = self.procs[rank]
+            proc = self._local(rank, record)
             if not _alive(proc) and "returncode" not in json.loads(path.read_text()):
-                raised = record.get("failed_at")
-                began = float(raised) if isinstance(raised, (int, float)) else time.time()
+                first_seen = self.vanished.setdefault(rank, time.time())
+                raised = self._raised_at(record, first_seen - offset)
+                began = first_seen if raised is None else raised + offset
                 failures.append((began, Failure(rank, 128 + signal.SIGKILL,
-                                 f"{'it raised (see its log), then ' if raised else ''}its process (pid"
+                                 f"{'it raised (see its log), then ' if raised is not None else ''}its process (pid"
                                  f" {record['pid']}) vanished without an exit status: killed", log, (self.host,),
                                  began)))
         if not failures:
