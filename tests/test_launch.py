@@ -500,6 +500,19 @@ def test_the_rank_whose_traceback_came_first_is_named_not_the_first_to_exit(tmp_
     assert (failure.rank, failure.returncode) == (2, 137)
 
 
+def test_a_rank_killed_from_outside_is_the_cause_though_its_peer_raised_before_it_was_reaped(tmp_path: Path) -> None:
+    """Rank 1 was SIGKILLed: its peer's gloo connection closed at once, and the peer's traceback showed before rank
+    1's shim, on a busy machine, had reaped it. The exit order decides between a rank without a traceback and one
+    with: the peer still ran its exit handlers, and exited later."""
+    from lightning_gaudi_ds.launch.supervise import _RankTable
+
+    t = time.time()
+    _record(tmp_path, 1, returncode=-9, ended_at=t + 0.3)
+    _record(tmp_path, 0, returncode=1, failed_at=t + 0.1, ended_at=t + 1.5)
+    failure = _RankTable(tmp_path).first_failure()
+    assert (failure.rank, failure.returncode) == (1, 137) and "exited with signal SIGKILL" in failure.how
+
+
 def test_a_traceback_the_rank_survived_does_not_make_it_the_cause(tmp_path: Path) -> None:
     """Rank 0 logged a handled exception a minute before rank 1 died by a segfault, which ended rank 0 too: rank 1
     is named, with its own signal (a crash, not a launcher's stop), and rank 0's old traceback is no exit code 1."""
@@ -531,7 +544,7 @@ def test_a_local_rank_that_raised_and_vanished_is_not_waited_for(tmp_path: Path)
 
     t = time.time() - 2
     table = _RankTable(tmp_path)
-    _record(tmp_path, 0, returncode=1, ended_at=t + 1.0)
+    _record(tmp_path, 0, returncode=1, failed_at=t + 0.5, ended_at=t + 1.0)
     _record(tmp_path, 1, failed_at=t, host=table.host, pid=_proc_that_ended())
     failure = table.first_failure()
     assert failure.rank == 1 and failure.at == t and "raised (see its log), then its process" in failure.how
@@ -563,7 +576,7 @@ def test_the_supervisor_waits_for_a_rank_that_raised_first(tmp_path: Path) -> No
     from lightning_gaudi_ds.launch.supervise import Supervisor, _RankTable
 
     t = time.time() - 5
-    _record(tmp_path, 0, returncode=1, ended_at=t + 1.0)
+    _record(tmp_path, 0, returncode=1, failed_at=t + 0.5, ended_at=t + 1.0)
     _record(tmp_path, 1, failed_at=t)
     later = threading.Timer(0.2, _record, (tmp_path, 1), {"returncode": 3, "failed_at": t, "ended_at": t + 2.0})
     later.start()

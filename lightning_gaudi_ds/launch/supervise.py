@@ -14,6 +14,7 @@ import codecs
 import functools
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -58,7 +59,7 @@ class Failure:
     how: str
     log: Path | None
     hosts: tuple[str, ...] = ()
-    at: float = float("inf")  # when it began (the time of the rank's first traceback, or of its exit)
+    at: float = -math.inf  # when its rank's traceback showed (-inf: it showed none)
 
 
 @dataclass
@@ -339,10 +340,11 @@ class _RankTable:
         return sorted(found)
 
     def first_failure(self) -> Failure | None:
-        """The failed rank that began to fail first: at its last burst of tracebacks when it exited within
-        ``FAILING_WINDOW_S`` of it, else at its exit; or a local rank that vanished, from when it was first seen
-        gone."""
-        failures = []
+        """The rank that failed first. The first to exit (or, a local one, to vanish) unless it raised: then a rank
+        that raised before it, still exiting or not, is the cause (its exit handlers end its process groups, so its
+        peers can fail and exit first). Exit times and traceback times are not compared with each other: a rank
+        killed from outside is reaped some time after its peers see its connections close."""
+        failures: list[tuple[float, Failure]] = []  # (exit time, failure); failure.at: its traceback's time
         for path in self.run_dir.glob("rank*.json"):
             try:
                 record = json.loads(path.read_text())
@@ -357,13 +359,14 @@ class _RankTable:
                     ended = record.get("ended_at")
                     ended = float(ended) if isinstance(ended, (int, float)) else path.stat().st_mtime - offset
                     raised = self._raised_at(record, ended)
-                    began = (ended if raised is None else min(raised, ended)) + offset
                     how = f"exited with {describe_exit(code)} (pid {record['child_pid']} on {record['host']})"
                     if raised is not None and -code in _STOPPING_SIGNALS:
                         # It raised, and a launcher ended it while it ran its exit handlers: Python's exit code
                         # for an uncaught exception, not the signal's, says what happened.
                         code, how = 1, f"{_ENDED_WHILE_EXITING}: {how}"
-                    failures.append((began, Failure(rank, exit_code(code), how, log, (str(record["host"]),), began)))
+                    at = -math.inf if raised is None else raised + offset
+                    failures.append((ended + offset, Failure(rank, exit_code(code), how, log, (str(record["host"]),),
+                                                             at)))
                 continue
             if record.get("host") != self.host:
                 continue  # another host's process: its shim records its exit, or the launcher reports the host
@@ -371,14 +374,15 @@ class _RankTable:
             if not _alive(proc) and "returncode" not in json.loads(path.read_text()):
                 first_seen = self.vanished.setdefault(rank, time.time())
                 raised = self._raised_at(record, first_seen - offset)
-                began = first_seen if raised is None else raised + offset
-                failures.append((began, Failure(rank, 128 + signal.SIGKILL,
+                failures.append((first_seen, Failure(rank, 128 + signal.SIGKILL,
                                  f"{'it raised (see its log), then ' if raised is not None else ''}its process (pid"
                                  f" {record['pid']}) vanished without an exit status: killed", log, (self.host,),
-                                 began)))
+                                 -math.inf if raised is None else raised + offset)))
         if not failures:
             return None
-        return min(failures, key=lambda item: item[0])[1]
+        first = min(failures, key=lambda item: item[0])[1]
+        earlier = [f for _, f in failures if first.at > f.at > -math.inf]  # exited ranks that raised before it
+        return min(earlier, key=lambda f: f.at) if earlier else first
 
 
 def _all_preempted(run_dir: Path) -> bool:
