@@ -31,6 +31,7 @@ def ext_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "torch_extensions"
     root.mkdir()
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))
+    monkeypatch.setattr(locks, "SETTLE_S", 0.05)  # the two looks at a stale lock (tests without processes)
     return root
 
 

@@ -245,6 +245,26 @@ def test_the_exit_walk_reads_no_deprecated_torch_object() -> None:
         shutdown._drop_deepspeed_group_references()
 
 
+def test_the_exit_walk_drops_the_group_handles_of_deepspeeds_objects_and_parameters_only() -> None:
+    """What the walk at exit releases: a handle on a process group (alone, or in a list) held by an object of a
+    DeepSpeed class or by a parameter; the user's objects and every other attribute stay as they were."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_gaudi_ds.engine import shutdown
+
+    group = dist.ProcessGroup(dist.HashStore(), 0, 1)
+    deepspeeds = type("Partitioner", (), {"__module__": "deepspeed.runtime.zero.fake"})()
+    users = type("Partitioner", (), {"__module__": "my_project.deepspeed_tools"})()
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    for holder in (deepspeeds, users, parameter):
+        holder.ds_process_group, holder.groups, holder.size = group, [group], 1
+    shutdown._drop_deepspeed_group_references()
+    for holder in (deepspeeds, parameter):
+        assert (holder.ds_process_group, holder.groups, holder.size) == (None, None, 1), type(holder)
+    assert users.ds_process_group is group and users.groups == [group] and users.size == 1
+
+
 def test_torchs_deprecated_collectives_deepspeed_calls_are_silenced_inside_engine_calls_only() -> None:
     """DeepSpeed's ZeRO-3 reduces gradients with torch's deprecated `reduce_scatter_tensor` and gathers with
     `all_gather_into_tensor`: inside the strategy's engine calls neither warns (each call used to print it again); the

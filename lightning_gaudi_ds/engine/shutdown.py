@@ -12,7 +12,8 @@ not unwind, and the rank aborts ("terminate called without an active exception")
 So at exit (``atexit``, before finalization; registered when the strategy starts the process group, so it runs
 before the handlers of earlier imports) this drops DeepSpeed's handles on the groups, destroys every group and
 collects them: the threads are joined while the interpreter still runs (tests/test_exit.py). It walks the garbage
-collector's objects once, about a second for a large model. A process group the user started is theirs to end.
+collector's objects once, and asks each type once whether its objects may hold a group. A process group the user
+started is theirs to end.
 """
 
 from __future__ import annotations
@@ -57,12 +58,19 @@ def _drop_deepspeed_group_references() -> None:
         return isinstance(value, ProcessGroup) or (
             isinstance(value, (list, tuple)) and any(isinstance(item, ProcessGroup) for item in value))
 
+    parameter = torch.nn.Parameter
+    watched: dict[int, bool] = {}  # by the id of a type (alive while its objects are): whether its objects are walked
     for obj in gc.get_objects():
-        owner = vars(type(obj)).get("__module__")  # a metaclass's instances (classes) have a descriptor here
-        # By type only: isinstance(obj, Parameter) reads attributes of every object, and torch's deprecated
-        # `torch.distributed.reduce_op` warns when read (a FutureWarning per rank at exit)
-        deepspeeds = isinstance(owner, str) and owner.startswith("deepspeed.")
-        if not (deepspeeds or issubclass(type(obj), torch.nn.Parameter)):
+        kind = type(obj)
+        watch = watched.get(id(kind))
+        if watch is None:
+            # By type only: isinstance(obj, Parameter) reads attributes of every object, and torch's deprecated
+            # `torch.distributed.reduce_op` warns when read (a FutureWarning per rank at exit). Asked once per type:
+            # a process holds a few hundred thousand objects of a few thousand types.
+            owner = vars(kind).get("__module__")  # a metaclass's instances (classes) have a descriptor here
+            watch = watched[id(kind)] = ((isinstance(owner, str) and owner.startswith("deepspeed."))
+                                         or issubclass(kind, parameter))
+        if not watch:
             continue
         attributes = getattr(obj, "__dict__", None)
         if not isinstance(attributes, dict):

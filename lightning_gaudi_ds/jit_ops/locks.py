@@ -211,12 +211,15 @@ def _permitted_capabilities(pid: int | str) -> int | None:
     return None
 
 
-def clear_stale_lock(path: os.PathLike[str] | str, settle_s: float = 0.5) -> LockInfo:
+SETTLE_S = 0.5  # seconds between the two looks at a stale lock
+
+
+def clear_stale_lock(path: os.PathLike[str] | str, settle_s: float | None = None) -> LockInfo:
     """Remove ``path`` if it is stale; return what was seen. Never removes a live lock.
 
-    A lock is removed only when two looks ``settle_s`` apart agree (same inode, no holder, no compile in its
-    dir): a releasing owner closes the file before it removes it. Raises :class:`BuildLockError` when the
-    owner cannot be determined or the stale file cannot be removed.
+    A lock is removed only when two looks ``settle_s`` (default :data:`SETTLE_S`) apart agree (same inode, no
+    holder, no compile in its dir): a releasing owner closes the file before it removes it. Raises
+    :class:`BuildLockError` when the owner cannot be determined or the stale file cannot be removed.
     """
     path = Path(path)
     if not path.exists():
@@ -226,7 +229,7 @@ def clear_stale_lock(path: os.PathLike[str] | str, settle_s: float = 0.5) -> Loc
         with FileLock(path.with_name(path.name + ".lgds-guard")):
             first = inspect_lock(path)
             if first.state == "stale":
-                time.sleep(settle_s)
+                time.sleep(SETTLE_S if settle_s is None else settle_s)
                 second = inspect_lock(path)
                 if second.state != "stale" or second.inode != first.inode:
                     return second
