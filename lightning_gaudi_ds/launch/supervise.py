@@ -60,6 +60,7 @@ class Failure:
     log: Path | None
     hosts: tuple[str, ...] = ()
     at: float = -math.inf  # when its rank's traceback showed (-inf: it showed none)
+    ended_by_signal: bool = False  # it raised, then a signal (its launcher stopping the job) ended it while exiting
 
 
 @dataclass
@@ -152,8 +153,7 @@ class Supervisor:
             failure = ranks.first_failure()
             if failure is not None:
                 failure = self._settle(ranks, failure)
-                if (failure.returncode == 128 + signal.SIGTERM or failure.how.startswith(_ENDED_WHILE_EXITING)) \
-                        and self.hosts is not None:
+                if (failure.returncode == 128 + signal.SIGTERM or failure.ended_by_signal) and self.hosts is not None:
                     # Stopped, not the cause: mpirun ends its ranks so when it loses a host. Let it say so first.
                     try:
                         launcher.wait(timeout=5)
@@ -360,13 +360,14 @@ class _RankTable:
                     ended = float(ended) if isinstance(ended, (int, float)) else path.stat().st_mtime - offset
                     raised = self._raised_at(record, ended)
                     how = f"exited with {describe_exit(code)} (pid {record['child_pid']} on {record['host']})"
-                    if raised is not None and -code in _STOPPING_SIGNALS:
+                    ended_by_signal = raised is not None and -code in _STOPPING_SIGNALS
+                    if ended_by_signal:
                         # It raised, and a launcher ended it while it ran its exit handlers: Python's exit code
                         # for an uncaught exception, not the signal's, says what happened.
                         code, how = 1, f"{_ENDED_WHILE_EXITING}: {how}"
                     at = -math.inf if raised is None else raised + offset
                     failures.append((ended + offset, Failure(rank, exit_code(code), how, log, (str(record["host"]),),
-                                                             at)))
+                                                             at, ended_by_signal)))
                 continue
             if record.get("host") != self.host:
                 continue  # another host's process: its shim records its exit, or the launcher reports the host
