@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -97,7 +98,37 @@ def run_job(
     ``python -m module`` or ``python -c code``) forks one process from it, in the job's environment as it is: a
     command line tool, a check script's Python, a script whose Trainer launches its own ranks. Without either, or with
     ``LGDS_WARM=0``, ``python`` starts cold. ``env`` values of ``None`` unset a variable.
+
+    Unless ``env`` sets ``MASTER_PORT``, the harness picks it; a job whose rank 0 then finds it taken
+    (``store_port_taken``) runs again on another port, at most ``PORT_TRIES`` times, with a warning.
     """
+    for attempt in range(1, PORT_TRIES + 1):
+        port_env = {} if env and "MASTER_PORT" in env else {"MASTER_PORT": str(free_port())}
+        result = _run_job_once(args, timeout, {**port_env, **(env or {})}, cwd, ranks, warm)
+        if attempt == PORT_TRIES or not port_env or not store_port_taken(result, int(port_env["MASTER_PORT"])):
+            return result
+        warnings.warn(f"attempt {attempt} of {' '.join(map(str, args[:2]))}: rank 0's store found port "
+                      f"{port_env['MASTER_PORT']} taken between its choice and its bind (EADDRINUSE); run again on "
+                      "another port", stacklevel=2)
+    raise AssertionError("unreachable")
+
+
+PORT_TRIES = 3  # a job whose store lost the harness's port pick to another process runs again, on another port
+
+
+def store_port_taken(result: "JobResult", port: int) -> bool:
+    """Whether ``result`` failed only because rank 0's TCPStore could not bind ``port`` (torch's EADDRINUSE message).
+
+    The harness picks a free port below the kernel's ephemeral range (``free_port``), and rank 0 binds it seconds
+    later. Another process on a busy host (the other pytest worker, another job on a CI machine) can bind it in
+    between; nothing the job tests has run by then, so the job runs again on another port.
+    """
+    return (not result.timed_out and result.returncode != 0
+            and re.search(rf"port: {port}, useIpv6: \w+, code: -?\d+, name: EADDRINUSE", result.output) is not None)
+
+
+def _run_job_once(args: Sequence[str], timeout: float, env: Mapping[str, Optional[str]], cwd: Optional[Path],
+                  ranks: Optional[int], warm: bool) -> JobResult:
     if (ranks is not None or warm) and list(args[:1]) == [sys.executable] and len(args) > 1 and \
             os.environ.get(WARM_ENV, "1") != "0":
         return WarmServer.get().run(args[1:], ranks or 0, timeout, env, cwd)

@@ -97,3 +97,55 @@ def test_a_failed_jobs_message_shows_every_ranks_traceback_and_keeps_the_whole_o
     saved = Path(message.split("whole output in ", 1)[1].split(";", 1)[0])
     assert saved.read_text() == output
     saved.unlink()
+
+
+STORE_JOB = '''
+import os
+from datetime import timedelta
+import torch.distributed as dist
+
+# The attempt on the held port fails at once on rank 0; rank 1 then waits for the store only 2 s, not a minute.
+lost = os.environ["MASTER_PORT"] == os.environ["HELD_PORT"]
+dist.init_process_group("gloo", rank=int(os.environ["LOCAL_RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                        timeout=timedelta(seconds=2 if lost else 120))
+dist.barrier()
+print(f"rank {dist.get_rank()} met on port {os.environ['MASTER_PORT']}", flush=True)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.multiprocess
+def test_a_job_whose_store_lost_the_harness_port_runs_again_on_another(tmp_path: Path, monkeypatch) -> None:
+    """The harness picks MASTER_PORT and rank 0 binds it seconds later; a port taken in between (EADDRINUSE, as a
+    busy CI machine once did) makes the job run again on another port, not fail the test."""
+    import socket
+    import warnings
+
+    import tests.procs as procs
+
+    with socket.socket() as held:
+        held.bind(("", 0))  # bound, not listening: rank 1's store client is refused (and retries for 2 s)
+        taken = held.getsockname()[1]
+        picks, real_pick = iter([taken]), procs.free_port
+        monkeypatch.setattr(procs, "free_port", lambda: next(picks, None) or real_pick())
+        script = tmp_path / "store_job.py"
+        script.write_text(STORE_JOB)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            result = procs.run_job([sys.executable, str(script)], timeout=120, ranks=2,
+                                   env={"HELD_PORT": str(taken)})
+    result.check()
+    ports = {line.rsplit(" ", 1)[1] for line in result.output.splitlines() if " met on port " in line}
+    assert len(ports) == 1 and ports != {str(taken)}, result.output
+    assert [str(w.message) for w in seen if f"port {taken} taken" in str(w.message)], [str(w.message) for w in seen]
+
+
+def test_only_rank_0s_store_losing_the_harness_port_counts_as_a_lost_port() -> None:
+    from tests.procs import JobResult, store_port_taken
+
+    lost = ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network address."
+            " port: 22395, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use\n")
+    assert store_port_taken(JobResult(1, lost, 2.0, False), 22395)
+    assert not store_port_taken(JobResult(1, lost, 2.0, False), 22396)  # another port: the test's own
+    assert not store_port_taken(JobResult(1, lost, 300.0, True), 22395)  # timed out: a failure to report
+    assert not store_port_taken(JobResult(1, "RuntimeError: loss is nan\n", 2.0, False), 22395)
