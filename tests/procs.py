@@ -119,7 +119,7 @@ PORT_TRIES = 3  # a job whose store lost the harness's port pick to another proc
 def store_port_taken(result: "JobResult", port: int) -> bool:
     """Whether ``result`` failed only because rank 0's TCPStore could not bind ``port`` (torch's EADDRINUSE message).
 
-    The harness picks a free port below the kernel's ephemeral range (``free_port``), and rank 0 binds it seconds
+    The harness picks a free port outside the kernel's ephemeral range (``free_port``), and rank 0 binds it seconds
     later. Another process on a busy host (the other pytest worker, another job on a CI machine) can bind it in
     between; nothing the job tests has run by then, so the job runs again on another port.
     """

@@ -259,12 +259,19 @@ def test_busy_port_on_a_multi_node_master_is_an_error(tmp_path: Path) -> None:
         assert node1._choose_port() == port  # node 0's agent holds it: that is expected
 
 
-def test_free_port_is_chosen_below_the_ephemeral_range() -> None:
+@pytest.mark.parametrize("ephemeral", [None, (32768, 60999), (1024, 60999), (1024, 65535)],
+                         ids=["this-host", "linux-default", "from-1024", "everything"])
+def test_free_port_is_chosen_outside_the_ephemeral_range(ephemeral, monkeypatch) -> None:
     # Outgoing connections (mpirun's, ssh's) take source ports from the ephemeral range: a port picked there and
-    # bound seconds later by rank 0 can be gone (EADDRINUSE); below it only an explicit bind takes one.
-    low, _ = _proc._ephemeral_ports()
+    # bound seconds later by rank 0 can be gone (EADDRINUSE); outside it only an explicit bind takes one.
+    if ephemeral is not None:
+        monkeypatch.setattr(_proc, "_ephemeral_ports", lambda: ephemeral)
+    low, high = _proc._ephemeral_ports()
     ports = {free_port() for _ in range(5)}
-    assert all((20000 <= p < low) if low > 20000 else p > 0 for p in ports)
+    if (low, high) == (1024, 65535):  # no port outside: the OS's pick
+        assert all(0 < p < 65536 for p in ports)
+    else:
+        assert all(20000 <= p < low or high < p < 65536 for p in ports), (ports, low, high)
     assert all(port_in_use(p) is False for p in ports)
 
 

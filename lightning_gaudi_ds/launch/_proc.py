@@ -69,16 +69,18 @@ def _ephemeral_ports() -> tuple[int, int]:
 
 
 def free_port() -> int:
-    """A TCP port free on every interface of this host right now, chosen below the kernel's ephemeral range.
+    """A TCP port free on every interface of this host right now, chosen outside the kernel's ephemeral range.
 
     A port the OS hands out for ``bind(0)`` comes from the range every outgoing connection also takes its source
     port from: in the seconds before rank 0 binds it (mpirun and ssh open connections meanwhile) another process
-    can get it (EADDRINUSE). Below that range only an explicit ``bind`` takes a port, so the pick stays free.
+    can get it (EADDRINUSE). Outside that range (from 20000 up to it, or above it) only an explicit ``bind`` takes a
+    port, so the pick stays free unless another process picks the same one.
     """
-    low, _ = _ephemeral_ports()
-    if low > 20000:
+    low, high = _ephemeral_ports()
+    outside = [*range(20000, low), *range(high + 1, 65536)]
+    if outside:
         rng = random.Random()  # its own generator: the user's random state is theirs
-        for port in rng.sample(range(20000, low), min(64, low - 20000)):
+        for port in rng.sample(outside, min(64, len(outside))):
             if port_in_use(port) is False:
                 return port
     with socket.socket() as s:  # no range below, or nothing free in it: the OS's pick
