@@ -83,7 +83,7 @@ def free_port() -> int:
         for port in rng.sample(outside, min(64, len(outside))):
             if port_in_use(port) is False:
                 return port
-    with socket.socket() as s:  # no range below, or nothing free in it: the OS's pick
+    with socket.socket() as s:  # no port outside the range, or none of them free: the OS's pick
         s.bind(("", 0))
         return s.getsockname()[1]
 
