@@ -66,9 +66,10 @@ def job_env(extra: Optional[Mapping[str, Optional[str]]] = None) -> dict[str, st
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE",
                 "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED", "PL_DEEPSPEED_CONFIG_PATH"):
         env.pop(key, None)
+    if "MASTER_PORT" not in (extra or {}):  # run_job picks it itself (and again for a lost port)
+        env["MASTER_PORT"] = str(free_port())
     env.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
         # With mpi4py installed, Lightning's MPI probe makes Open MPI start a daemon (in its own session) per rank.
