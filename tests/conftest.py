@@ -2,7 +2,9 @@
 
 import atexit
 import os
+import shutil
 import sys
+import tempfile
 import unittest
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -11,6 +13,12 @@ from typing import Any
 # With mpi4py installed, Lightning's MPIEnvironment.detect() initialises MPI in the test process itself; an
 # isolated singleton keeps Open MPI from starting a helper daemon (orted) that would outlive the test that made it.
 os.environ.setdefault("OMPI_MCA_ess_singleton_isolated", "1")
+# Isolated singletons on a host share a job id, so a session directory: one ending removes it while another is making
+# it, and that one's MPI_Init aborts. Each test process gets a base of its own, each job one inside it
+# (tests/procs.py job_env), each warm rank one inside its job's (tests/warm.py); the package's rank shim does the same
+# for the ranks it starts (lightning_gaudi_ds/launch/rank.py own_mpi_session_base).
+_OMPI_BASE = tempfile.mkdtemp(prefix="lgds-tests-ompi-", dir=os.environ.get("OMPI_MCA_orte_tmpdir_base") or None)
+os.environ["OMPI_MCA_orte_tmpdir_base"] = _OMPI_BASE
 
 import pytest  # noqa: E402
 
@@ -30,6 +38,7 @@ def _exit_without_finalizing() -> None:
 
 
 atexit.register(_exit_without_finalizing)
+atexit.register(shutil.rmtree, _OMPI_BASE, True)  # runs before the handler above
 
 
 @pytest.hookimpl(trylast=True)

@@ -74,6 +74,8 @@ def job_env(extra: Optional[Mapping[str, Optional[str]]] = None) -> dict[str, st
         PYTHONUNBUFFERED="1",
         # With mpi4py installed, Lightning's MPI probe makes Open MPI start a daemon (in its own session) per rank.
         OMPI_MCA_ess_singleton_isolated="1",
+        # ... and those singletons share a job id: a session base for each job (tests/conftest.py says why).
+        OMPI_MCA_orte_tmpdir_base=tempfile.mkdtemp(prefix="job-", dir=env.get("OMPI_MCA_orte_tmpdir_base") or None),
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
     )
     for key, value in (extra or {}).items():

@@ -469,6 +469,43 @@ def test_shim_records_exit_and_output(tmp_path: Path) -> None:
     assert abs(record["clock_offset"]) < 1.0  # one host: the run directory's clock is this one
 
 
+@pytest.mark.multiprocess
+def test_isolated_mpi_singletons_get_a_session_directory_each(tmp_path: Path) -> None:
+    """Isolated Open MPI singletons on one host share a job id: without a base each, one rank ending removed the
+    session tree another was creating, and that rank's MPI_Init aborted (the suite saw it once in 15 runs; 8 of 1389
+    singletons started 8 at a time failed that way, none with a base each)."""
+    import subprocess
+
+    pytest.importorskip("mpi4py")
+    probe = script(tmp_path, "probe.py", "from mpi4py import MPI\n"  # Lightning's MPIEnvironment.detect()
+                   "assert MPI.COMM_WORLD.Get_size() == 1\n"
+                   "base = os.environ['OMPI_MCA_orte_tmpdir_base']\n"
+                   "print('base', base, sorted(os.listdir(base)))\n")
+    user_base = tmp_path / "ompi"  # a base of the user's own: each rank's is made inside it
+    user_base.mkdir()
+    env = {**os.environ, plan.RUN_DIR_ENV: str(tmp_path / "run"), "OMPI_MCA_ess_singleton_isolated": "1",
+           "OMPI_MCA_orte_tmpdir_base": str(user_base)}
+    for key in (*MPI_RANK_KEYS, *MPI_SIZE_KEYS):
+        env.pop(key, None)
+    shims = [subprocess.Popen([sys.executable, SHIM, str(probe)], env={**env, "RANK": str(rank)},
+                              stdout=subprocess.PIPE, text=True, start_new_session=True) for rank in range(3)]
+    try:
+        outs = [shim.communicate(timeout=120)[0] for shim in shims]
+    finally:
+        for shim in shims:
+            if shim.poll() is None:
+                os.killpg(shim.pid, 9)  # only the sessions this test started
+    assert [shim.returncode for shim in shims] == [0, 0, 0], outs
+    bases = [line.split()[1] for out in outs for line in out.splitlines() if line.startswith("base ")]
+    assert len(set(bases)) == 3 and all(Path(base).parent == user_base for base in bases), bases
+    assert all("'ompi." in out for out in outs), outs  # Open MPI made its session tree in the rank's own base
+    assert list(user_base.iterdir()) == []  # each shim removed its rank's base when the rank ended
+    plain = {**env, "OMPI_MCA_ess_singleton_isolated": "0"}  # a daemon per singleton: Open MPI keeps them apart
+    assert rank_shim.own_mpi_session_base(plain) is None and plain["OMPI_MCA_orte_tmpdir_base"] == str(user_base)
+    under_mpirun = {**env, "OMPI_COMM_WORLD_RANK": "0"}
+    assert rank_shim.own_mpi_session_base(under_mpirun) is None
+
+
 @pytest.mark.parametrize("key", MPI_RANK_KEYS)
 def test_shim_runs_scripts_through_mpi4py_under_mpirun(monkeypatch: pytest.MonkeyPatch, key: str) -> None:
     for other in (*MPI_RANK_KEYS, *MPI_SIZE_KEYS):

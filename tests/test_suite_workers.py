@@ -149,3 +149,36 @@ def test_only_rank_0s_store_losing_the_harness_port_counts_as_a_lost_port() -> N
     assert not store_port_taken(JobResult(1, lost, 2.0, False), 22396)  # another port: the test's own
     assert not store_port_taken(JobResult(1, lost, 300.0, True), 22395)  # timed out: a failure to report
     assert not store_port_taken(JobResult(1, "RuntimeError: loss is nan\n", 2.0, False), 22395)
+
+
+MPI_PROBE = '''
+import os
+from mpi4py import MPI  # as Lightning's MPIEnvironment.detect() does in every rank
+
+assert MPI.COMM_WORLD.Get_size() == 1
+base = os.environ["OMPI_MCA_orte_tmpdir_base"]
+print(f"rank {os.environ.get('LOCAL_RANK')} base {base} {sorted(os.listdir(base))}", flush=True)
+'''
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_each_job_and_each_warm_rank_has_its_own_open_mpi_session_base(tmp_path: Path, warm: bool) -> None:
+    """Isolated singletons share a job id, so a session directory: one job's rank ending removed the tree while the
+    other worker's rank made it, and MPI_Init aborted (once in 15 runs of the suite). Jobs, and warm ranks within a
+    job, get a base each, inside this process's."""
+    pytest.importorskip("mpi4py")
+    import os
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(MPI_PROBE)
+    ours = os.environ["OMPI_MCA_orte_tmpdir_base"]
+    first, second = (run_job([sys.executable, str(probe)], timeout=120, ranks=2 if warm else None).check()
+                     for _ in range(2))
+    lines = [line.split() for job in (first, second) for line in job.output.splitlines() if " base " in line]
+    bases = [Path(words[3]) for words in lines]
+    assert all("'ompi." in " ".join(words[4:]) for words in lines), lines  # Open MPI's tree is in that base
+    jobs = {base.parent if warm else base for base in bases}
+    assert len(jobs) == 2 and all(job.parent == Path(ours) for job in jobs), bases
+    if warm:
+        assert len(set(bases)) == 4 and {base.name for base in bases} == {"rank0", "rank1"}

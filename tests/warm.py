@@ -94,6 +94,8 @@ def _lead(job: dict[str, Any]) -> Optional[dict[str, Any]]:
         if pid == 0:
             env = dict(job["env"])
             env.update(NODE_RANK="0", LOCAL_RANK=str(local_rank), WORLD_SIZE=str(job["ranks"]))
+            if env.get("OMPI_MCA_orte_tmpdir_base"):  # an Open MPI session base per rank (tests/conftest.py)
+                env["OMPI_MCA_orte_tmpdir_base"] = os.path.join(env["OMPI_MCA_orte_tmpdir_base"], f"rank{local_rank}")
             return {**job, "env": env}
         ranks[pid] = local_rank
     if not job["ranks"]:  # one plain process: the environment as the job gave it

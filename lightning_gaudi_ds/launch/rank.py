@@ -9,7 +9,8 @@ whatever launcher sits in between. SIGTERM/SIGINT/SIGHUP are passed on to the sc
 ``LIGHTNING_GAUDI_DS_STOP_TIMEOUT`` s later; the script gets SIGKILL if this shim dies. Without
 ``LIGHTNING_GAUDI_DS_RUN_DIR`` it becomes the script (the variables: :mod:`~lightning_gaudi_ds.launch.envvars`).
 ``rank.py --lgds-args-file F`` reads the script and its arguments from the JSON list in ``F`` (launches across
-hosts: no remote shell parses them).
+hosts: no remote shell parses them). A rank that Lightning's MPI probe makes an isolated Open MPI singleton gets a
+session directory of its own (:func:`own_mpi_session_base`).
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -49,7 +52,7 @@ else:  # run by path, as the launchers do: the sibling modules, without importin
         signal_when_parent_dies,
     )
 
-__all__ = ["ARGS_FILE_FLAG", "global_rank_from_env", "main", "python_command"]
+__all__ = ["ARGS_FILE_FLAG", "global_rank_from_env", "main", "own_mpi_session_base", "python_command"]
 # Global rank as each launcher announces it; the first one present wins.
 _RANK_KEYS = ("RANK", *MPI_RANK_KEYS)
 
@@ -74,6 +77,29 @@ def python_command(argv: list[str]) -> list[str]:
     if under_mpi and importlib.util.find_spec("mpi4py") is not None:
         return [sys.executable, "-u", "-m", "mpi4py", *argv]
     return [sys.executable, "-u", *argv]
+
+
+OMPI_SESSION_BASE = "OMPI_MCA_orte_tmpdir_base"
+
+
+def own_mpi_session_base(env: dict[str, str]) -> str | None:
+    """Give a rank its own Open MPI session directory where the launcher asked for isolated singletons; returns it.
+
+    With mpi4py installed, Lightning's MPI probe initialises MPI in every rank. Outside mpirun each rank is then a
+    singleton, isolated (``OMPI_MCA_ess_singleton_isolated=1``, no daemon), and every isolated singleton on a host has
+    the same job id, so the same session directory. One that ends removes the tree while another is creating it, and
+    the second's ``MPI_Init`` aborts (``mkdir <tmp>/ompi.<host>.<uid>/jf.0/1: No such file or directory``): a rank lost
+    at start-up whenever two runs share a host. A fresh directory inside the configured base (``env``'s
+    ``OMPI_MCA_orte_tmpdir_base``, else the system's temporary directory) keeps ranks apart; ``env`` is updated.
+    """
+    if env.get("OMPI_MCA_ess_singleton_isolated") != "1" or any(key in env for key in MPI_RANK_KEYS):
+        return None
+    try:
+        base = tempfile.mkdtemp(prefix="lgds-ompi-", dir=env.get(OMPI_SESSION_BASE) or None)
+    except OSError:  # a base that cannot be written to: Open MPI reports it, as it would without this shim
+        return None
+    env[OMPI_SESSION_BASE] = base
+    return base
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -172,9 +198,19 @@ def main(argv: list[str] | None = None) -> int:
     directory = Path(run_dir)
     directory.mkdir(parents=True, exist_ok=True)
     rank = global_rank_from_env()
-    record_path = directory / f"rank{rank}.json"
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    session_base = own_mpi_session_base(env)
+    try:
+        return _run_rank(command, env, directory, rank, grace, link)
+    finally:
+        if session_base is not None:
+            shutil.rmtree(session_base, ignore_errors=True)
+
+
+def _run_rank(command: list[str], env: dict[str, str], directory: Path, rank: int, grace: float,
+              link: float | None) -> int:
+    record_path = directory / f"rank{rank}.json"
     read_fd, write_fd = os.pipe()
     with open(directory / f"rank{rank}.log", "ab") as log:
         child = subprocess.Popen(
